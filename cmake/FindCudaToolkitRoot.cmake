@@ -1,0 +1,36 @@
+# Decide whether to build the CUDA transport and find nvcc:
+# CMAKE_CUDA_COMPILER, CUDA_HOME, /usr/local/cuda, then the pip package nvidia-cuda-nvcc.
+set(JAX_CPGRAD_WITH_CUDA OFF)
+if(NOT JAX_CPGRAD_CUDA STREQUAL "OFF")
+  set(_nvcc_candidates "")
+  if(DEFINED ENV{CUDA_HOME})
+    list(APPEND _nvcc_candidates "$ENV{CUDA_HOME}/bin/nvcc")
+  endif()
+  list(APPEND _nvcc_candidates "/usr/local/cuda/bin/nvcc")
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c
+      "import nvidia.cuda_nvcc as m, os; print(os.path.join(list(m.__path__)[0], 'bin', 'nvcc'))"
+    OUTPUT_VARIABLE _pip_nvcc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(_pip_nvcc)
+    list(APPEND _nvcc_candidates "${_pip_nvcc}")
+  endif()
+  if(NOT CMAKE_CUDA_COMPILER)
+    foreach(_nvcc IN LISTS _nvcc_candidates)
+      if(EXISTS "${_nvcc}")
+        set(CMAKE_CUDA_COMPILER "${_nvcc}" CACHE FILEPATH "nvcc" FORCE)
+        break()
+      endif()
+    endforeach()
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(JAX_CPGRAD_WITH_CUDA ON)
+    message(STATUS "jax_cpgrad: building the CUDA peer transport with ${CMAKE_CUDA_COMPILER}")
+  elseif(JAX_CPGRAD_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "jax_cpgrad: JAX_CPGRAD_CUDA=ON but no nvcc was found "
+                        "(looked at CUDA_HOME, /usr/local/cuda and the nvidia-cuda-nvcc package)")
+  else()
+    message(STATUS "jax_cpgrad: no CUDA toolkit found, building the CPU-only module (XLA transport)")
+  endif()
+endif()

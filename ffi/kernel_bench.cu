@@ -1,0 +1,137 @@
+#include "kernel_bench.h"
+
+#include <cuda_runtime.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_check.h"
+#include "kernels.h"
+#include "region_layout.h"
+
+namespace nb = nanobind;
+
+namespace jax_cpgrad {
+namespace {
+
+struct DeviceBuffer {
+  explicit DeviceBuffer(int64_t bytes) { CPG_CUDA_OR_THROW(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256))); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* ptr = nullptr;
+};
+
+// Median, min and max milliseconds per launch of `fn` over `reps` timed groups of `iters`.
+nb::dict time_ms(const std::function<cudaError_t(cudaStream_t)>& fn, cudaStream_t stream, int iters, int reps) {
+  for (int i = 0; i < 3; ++i) CPG_CUDA_OR_THROW(fn(stream));
+  cudaEvent_t start, stop;
+  CPG_CUDA_OR_THROW(cudaEventCreate(&start));
+  CPG_CUDA_OR_THROW(cudaEventCreate(&stop));
+  std::vector<float> per_launch;
+  for (int r = 0; r < reps; ++r) {
+    CPG_CUDA_OR_THROW(cudaEventRecord(start, stream));
+    for (int i = 0; i < iters; ++i) CPG_CUDA_OR_THROW(fn(stream));
+    CPG_CUDA_OR_THROW(cudaEventRecord(stop, stream));
+    CPG_CUDA_OR_THROW(cudaEventSynchronize(stop));
+    float ms = 0;
+    CPG_CUDA_OR_THROW(cudaEventElapsedTime(&ms, start, stop));
+    per_launch.push_back(ms / iters);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(per_launch.begin(), per_launch.end());
+  nb::dict d;
+  d["median_ms"] = per_launch[per_launch.size() / 2];
+  d["min_ms"] = per_launch.front();
+  d["max_ms"] = per_launch.back();
+  return d;
+}
+
+ElementType parse_dtype(const std::string& name) {
+  if (name == "float32") return ElementType::kF32;
+  if (name == "bfloat16") return ElementType::kBF16;
+  if (name == "float16") return ElementType::kF16;
+  throw std::invalid_argument("dtype must be float32, bfloat16 or float16");
+}
+
+// Times scatter, accumulate, gather and plain copies for one rank of an N-way call moving
+// `tensors` tensors of `global_bytes` each (shape [S, inner], sequence axis 0).
+nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const std::string& dtype,
+                      int iters, int reps) {
+  CallPlan plan;
+  plan.n = n;
+  plan.self = 0;
+  plan.tensors = tensors;
+  plan.dtype = parse_dtype(dtype);
+  plan.outer = 1;
+  plan.run = global_bytes / element_bytes(plan.dtype) / (2 * n);
+  if (plan.run < 1 || tensors < 1 || tensors > kMaxTensors || n < 1 || n > kMaxRanks) {
+    throw std::invalid_argument("size too small for this N, or bad N / tensor count");
+  }
+  const int64_t local_bytes = plan.tensor_bytes();
+  const int64_t global = local_bytes * n;
+  plan.slot_bytes = round_up_slot_bytes(tensors * local_bytes);
+
+  std::vector<std::unique_ptr<DeviceBuffer>> regions, inputs, outputs, locals, gathered;
+  RegionTable table{};
+  for (int64_t r = 0; r < n; ++r) {
+    regions.push_back(std::make_unique<DeviceBuffer>(region_bytes(n, plan.slot_bytes)));
+    CPG_CUDA_OR_THROW(cudaMemset(regions.back()->ptr, 0, region_bytes(n, plan.slot_bytes)));
+    table.region[r] = regions.back()->ptr;
+  }
+  std::vector<const void*> in, local_in;
+  std::vector<void*> out, gather_out;
+  for (int64_t k = 0; k < tensors; ++k) {
+    inputs.push_back(std::make_unique<DeviceBuffer>(global));
+    outputs.push_back(std::make_unique<DeviceBuffer>(local_bytes));
+    locals.push_back(std::make_unique<DeviceBuffer>(local_bytes));
+    gathered.push_back(std::make_unique<DeviceBuffer>(global));
+    CPG_CUDA_OR_THROW(cudaMemset(inputs.back()->ptr, 0, global));
+    CPG_CUDA_OR_THROW(cudaMemset(locals.back()->ptr, 0, local_bytes));
+    in.push_back(inputs.back()->ptr);
+    local_in.push_back(locals.back()->ptr);
+    out.push_back(outputs.back()->ptr);
+    gather_out.push_back(gathered.back()->ptr);
+  }
+  const int64_t moved = (n - 1) * tensors * local_bytes;  // bytes each rank sends
+  DeviceBuffer copy_src(std::max(moved, (n + 1) * tensors * local_bytes));
+  DeviceBuffer copy_dst(std::max(moved, (n + 1) * tensors * local_bytes));
+  cudaStream_t stream;
+  CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  nb::dict result;
+  result["n"] = n;
+  result["tensors"] = tensors;
+  result["dtype"] = dtype;
+  result["global_bytes_per_tensor"] = global;
+  result["local_bytes_per_tensor"] = local_bytes;
+  // Memory traffic (bytes read + written) of each step, and of a plain copy of the same size.
+  result["scatter_traffic"] = 2 * moved;
+  result["accumulate_traffic"] = (n + 1) * tensors * local_bytes;
+  result["gather_traffic"] = 2 * n * tensors * local_bytes;
+  result["scatter"] = time_ms([&](cudaStream_t s) { return launch_scatter_owner_chunks(plan, in.data(), table, s); }, stream, iters, reps);
+  result["accumulate"] = time_ms([&](cudaStream_t s) { return launch_accumulate(plan, in.data(), out.data(), table.region[0], s); }, stream, iters, reps);
+  result["gather"] = time_ms([&](cudaStream_t s) { return launch_gather(plan, local_in.data(), gather_out.data(), table.region[0], s); }, stream, iters, reps);
+  const int64_t acc_copy = (n + 1) * tensors * local_bytes / 2;
+  const int64_t gather_copy = n * tensors * local_bytes;
+  result["copy_scatter_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, moved, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
+  result["copy_accumulate_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, acc_copy, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
+  result["copy_gather_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, gather_copy, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace
+
+void bind_kernel_bench(nb::module_& m) {
+  m.def("kernel_bench", &kernel_bench, nb::arg("n"), nb::arg("tensors"), nb::arg("global_bytes"),
+        nb::arg("dtype"), nb::arg("iters") = 20, nb::arg("reps") = 7,
+        "Time the transport's kernels for one rank, N writers emulated on this GPU.");
+}
+
+}  // namespace jax_cpgrad

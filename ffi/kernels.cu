@@ -1,0 +1,305 @@
+// The transport's kernels: run copies (scatter, gather) and the ordered float32 accumulation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+#include "region_layout.h"
+
+namespace jax_cpgrad {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kCopyUnroll = 4;  // 16-byte vectors in flight per thread in a copy
+constexpr int kSumUnroll = 2;   // vectors per thread per writer in the accumulation
+
+struct TensorPtrs {
+  const char* in[kMaxTensors];
+  char* out[kMaxTensors];
+};
+
+// Is the word at `own_region + kErrorWordOffset` set (the watchdog released a stuck wait)?
+__device__ __forceinline__ bool call_failed(const char* own_region) {
+  return own_region != nullptr &&
+         *reinterpret_cast<const volatile int*>(own_region + kErrorWordOffset) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row maps: a copy moves `rows` rows of `row_bytes` each; a map gives each row's source and
+// destination.
+
+struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer x 2 halves
+  CallPlan plan;
+  TensorPtrs t;
+  RegionTable regions;
+  __device__ void operator()(int64_t row, const char** src, char** dst, bool*) const {
+    const int64_t h = row % 2;
+    const int64_t b = (row / 2) % plan.outer;
+    const int64_t k = (row / (2 * plan.outer)) % plan.tensors;
+    const int64_t p = row / (2 * plan.outer * plan.tensors);
+    const int64_t owner = p < plan.self ? p : p + 1;
+    const int64_t rb = plan.run_bytes();
+    *src = t.in[k] + (b * 2 * plan.n + chunk_of(owner, h, plan.n)) * rb;
+    *dst = regions.region[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
+           k * plan.tensor_bytes() + (b * 2 + h) * rb;
+  }
+};
+
+struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a whole local tensor
+  CallPlan plan;
+  TensorPtrs t;
+  RegionTable regions;
+  __device__ void operator()(int64_t row, const char** src, char** dst, bool*) const {
+    const int64_t k = row % plan.tensors;
+    const int64_t p = row / plan.tensors;
+    const int64_t owner = p < plan.self ? p : p + 1;
+    *src = t.in[k];
+    *dst = regions.region[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
+           k * plan.tensor_bytes();
+  }
+};
+
+struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
+  CallPlan plan;
+  TensorPtrs t;
+  const char* own_region;
+  __device__ void operator()(int64_t row, const char** src, char** dst, bool* failed) const {
+    const int64_t j = row % (2 * plan.n);
+    const int64_t b = (row / (2 * plan.n)) % plan.outer;
+    const int64_t k = row / (2 * plan.n * plan.outer);
+    const int64_t owner = owner_of(j, plan.n);
+    const int64_t rb = plan.run_bytes();
+    const int64_t local_row = (b * 2 + half_of(j, plan.n)) * rb;
+    *src = owner == plan.self ? t.in[k] + local_row
+                              : own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
+                                    k * plan.tensor_bytes() + local_row;
+    *dst = t.out[k] + row % (2 * plan.n * plan.outer) * rb;
+    *failed = call_failed(own_region);
+  }
+};
+
+template <typename Vec, typename Map>
+__global__ void __launch_bounds__(kThreads) copy_rows(Map map, int64_t rows, int64_t vecs_per_row) {
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const char* src_bytes;
+    char* dst_bytes;
+    bool failed = false;
+    map(row, &src_bytes, &dst_bytes, &failed);
+    const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
+    Vec* dst = reinterpret_cast<Vec*>(dst_bytes);
+    const int64_t stride = int64_t(gridDim.x) * kThreads * kCopyUnroll;
+    for (int64_t base = int64_t(blockIdx.x) * kThreads * kCopyUnroll + threadIdx.x;
+         base < vecs_per_row; base += stride) {
+      Vec v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = base + u * kThreads;
+        if (i < vecs_per_row) v[u] = src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = base + u * kThreads;
+        if (i < vecs_per_row) {
+          if (failed) memset(&v[u], 0xff, sizeof(Vec));  // all-ones: NaN in every float format
+          dst[i] = v[u];
+        }
+      }
+    }
+  }
+}
+
+int device_sm_count() {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  return sms;
+}
+
+// Grid for `rows` rows of `work_per_row` units where one block covers `per_block` units.
+dim3 grid_for(int64_t rows, int64_t work_per_row, int64_t per_block) {
+  static const int64_t target = int64_t(device_sm_count()) * 8;
+  const int64_t gx = std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
+  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+}
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Launches copy_rows with the widest vector that the row size and every base pointer allow.
+template <typename Map>
+cudaError_t launch_copy(const Map& map, int64_t rows, int64_t row_bytes, bool all_aligned_16,
+                        cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return cudaSuccess;
+  if (all_aligned_16 && row_bytes % 16 == 0) {
+    const int64_t vecs = row_bytes / 16;
+    copy_rows<uint4, Map><<<grid_for(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+  } else {
+    const int64_t vecs = row_bytes / 2;  // every supported dtype is a multiple of 2 bytes
+    copy_rows<uint16_t, Map><<<grid_for(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+  }
+  return cudaGetLastError();
+}
+
+TensorPtrs tensor_ptrs(const CallPlan& plan, const void* const* in, void* const* out, bool* ok16) {
+  TensorPtrs t{};
+  for (int64_t k = 0; k < plan.tensors; ++k) {
+    t.in[k] = static_cast<const char*>(in[k]);
+    t.out[k] = out ? static_cast<char*>(out[k]) : nullptr;
+    *ok16 = *ok16 && aligned(in[k], 16) && (!out || aligned(out[k], 16));
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ordered accumulation.
+
+template <typename T> struct Convert;
+template <> struct Convert<float> {
+  __device__ static float load(float x) { return x; }
+  __device__ static float store(float x) { return x; }
+};
+template <> struct Convert<__nv_bfloat16> {
+  __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Convert<__half> {
+  __device__ static float load(__half x) { return __half2float(x); }
+  __device__ static __half store(float x) { return __float2half_rn(x); }
+};
+
+template <typename T, int kElems>
+struct alignas(sizeof(T) * kElems) Pack {
+  T v[kElems];
+};
+
+// One thread block row loop: out row (k, b, h) = sum over writers w = 0..N-1, in that order, of
+// writer w's run: our own from the global input, the others from their slots.
+template <typename T, int kElems>
+__global__ void __launch_bounds__(kThreads)
+accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t packs_per_row) {
+  using P = Pack<T, kElems>;
+  const int64_t rows = plan.tensors * plan.outer * 2;
+  const int64_t rb = plan.run_bytes();
+  const bool failed = call_failed(own_region);
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const int64_t h = row % 2;
+    const int64_t b = (row / 2) % plan.outer;
+    const int64_t k = row / (2 * plan.outer);
+    const char* own = t.in[k] + (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb;
+    const char* slot0 = own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) +
+                        k * plan.tensor_bytes() + (b * 2 + h) * rb;
+    P* out = reinterpret_cast<P*>(t.out[k] + (b * 2 + h) * rb);
+    const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;
+    for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
+         base < packs_per_row; base += stride) {
+      float acc[kSumUnroll][kElems];
+      for (int64_t w = 0; w < plan.n; ++w) {
+        const P* src = reinterpret_cast<const P*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t i = base + u * kThreads;
+          if (i >= packs_per_row) continue;
+          const P p = src[i];
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) {
+            const float x = Convert<T>::load(p.v[e]);
+            acc[u][e] = w == 0 ? x : acc[u][e] + x;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t i = base + u * kThreads;
+        if (i >= packs_per_row) continue;
+        P p;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) p.v[e] = Convert<T>::store(acc[u][e]);
+        if (failed) memset(&p, 0xff, sizeof(P));
+        out[i] = p;
+      }
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, bool ok16,
+                                    const char* own_region, cudaStream_t stream) {
+  const int64_t rows = plan.tensors * plan.outer * 2;
+  const int64_t rb = plan.run_bytes();
+  constexpr int kWide = 16 / sizeof(T);
+  if (ok16 && rb % 16 == 0 && plan.slot_bytes % 16 == 0) {
+    const int64_t packs = rb / 16;
+    accumulate_rows<T, kWide><<<grid_for(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(
+        plan, t, own_region, packs);
+  } else {
+    const int64_t packs = plan.run;
+    accumulate_rows<T, 1><<<grid_for(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(
+        plan, t, own_region, packs);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t warm_accumulate() {
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, accumulate_rows<T, 16 / sizeof(T)>);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, accumulate_rows<T, 1>);
+}
+
+template <typename Map>
+cudaError_t warm_copy() {
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, copy_rows<uint4, Map>);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, copy_rows<uint16_t, Map>);
+}
+
+}  // namespace
+
+cudaError_t launch_scatter_owner_chunks(const CallPlan& plan, const void* const* global_inputs,
+                                        const RegionTable& regions, cudaStream_t stream) {
+  bool ok16 = plan.slot_bytes % 16 == 0;
+  OwnerChunksMap map{plan, tensor_ptrs(plan, global_inputs, nullptr, &ok16), regions};
+  const int64_t rows = (plan.n - 1) * plan.tensors * plan.outer * 2;
+  return launch_copy(map, rows, plan.run_bytes(), ok16, stream);
+}
+
+cudaError_t launch_scatter_local_copies(const CallPlan& plan, const void* const* local_inputs,
+                                        const RegionTable& regions, cudaStream_t stream) {
+  bool ok16 = plan.slot_bytes % 16 == 0;
+  LocalCopiesMap map{plan, tensor_ptrs(plan, local_inputs, nullptr, &ok16), regions};
+  return launch_copy(map, (plan.n - 1) * plan.tensors, plan.tensor_bytes(), ok16, stream);
+}
+
+cudaError_t launch_accumulate(const CallPlan& plan, const void* const* global_inputs,
+                              void* const* local_outputs, const char* own_region,
+                              cudaStream_t stream) {
+  bool ok16 = true;
+  const TensorPtrs t = tensor_ptrs(plan, global_inputs, local_outputs, &ok16);
+  switch (plan.dtype) {
+    case ElementType::kF32: return launch_accumulate_typed<float>(plan, t, ok16, own_region, stream);
+    case ElementType::kBF16: return launch_accumulate_typed<__nv_bfloat16>(plan, t, ok16, own_region, stream);
+    case ElementType::kF16: return launch_accumulate_typed<__half>(plan, t, ok16, own_region, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_gather(const CallPlan& plan, const void* const* local_inputs,
+                          void* const* global_outputs, const char* own_region,
+                          cudaStream_t stream) {
+  bool ok16 = plan.slot_bytes % 16 == 0;
+  GatherMap map{plan, tensor_ptrs(plan, local_inputs, global_outputs, &ok16), own_region};
+  return launch_copy(map, plan.tensors * plan.outer * 2 * plan.n, plan.run_bytes(), ok16, stream);
+}
+
+cudaError_t warm_kernels() {
+  for (cudaError_t err : {warm_copy<OwnerChunksMap>(), warm_copy<LocalCopiesMap>(),
+                          warm_copy<GatherMap>(), warm_accumulate<float>(),
+                          warm_accumulate<__nv_bfloat16>(), warm_accumulate<__half>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jax_cpgrad

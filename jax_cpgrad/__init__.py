@@ -1,0 +1,25 @@
+"""jax_cpgrad: NCCL-free context-parallel gradient return for JAX.
+
+``grad_return`` returns each rank's share of the global dK/dV to its owner in the load-balanced
+CP layout; ``all_gather`` is its inverse (and its VJP). With a :class:`Workspace` they run over
+the peer transport, an XLA FFI CUDA handler on XLA's own stream; without one, over XLA
+collectives.
+"""
+
+from ._native import HAS_CUDA
+from .api import all_gather, grad_return, grad_return_reference
+from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
+from .workspace import Workspace
+
+__all__ = [
+    "HAS_CUDA",
+    "Workspace",
+    "all_gather",
+    "from_cp_layout",
+    "grad_return",
+    "grad_return_reference",
+    "layout_order",
+    "local_chunks",
+    "to_cp_layout",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,46 @@
+"""The jax.distributed key-value store: the one private JAX import of this package.
+
+Workspaces use it to exchange CUDA IPC handles and to agree on errors, so that a problem seen by
+one process is raised by every process instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+
+def _client():
+    from jax._src.distributed import global_state  # private: kept to this module
+
+    return global_state.client
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def exchange(key: str, value, timeout_s: float) -> list:
+    """Publish this process's JSON-able ``value`` under ``key``; return every process's, in order."""
+    client = _client()
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized, but this is a multi-process run")
+    me = jax.process_index()
+    client.key_value_set_bytes(f"{key}/{me}", json.dumps(value).encode())
+    timeout_ms = int(timeout_s * 1000)
+    out = []
+    for p in range(jax.process_count()):
+        try:
+            raw = client.blocking_key_value_get_bytes(f"{key}/{p}", timeout_ms)
+        except Exception as err:  # the client raises its own error type on timeout
+            raise RuntimeError(
+                f"jax_cpgrad: process {p} did not reach '{key}' within {timeout_s:.0f} s: do all "
+                "processes create the workspace, with the same arguments, in the same order?"
+            ) from err
+        out.append(json.loads(raw))
+    return out
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    _client().wait_at_barrier(name, int(timeout_s * 1000))

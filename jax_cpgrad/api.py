@@ -1,0 +1,163 @@
+"""The public, differentiable API: ``grad_return`` and ``all_gather``, each the other's VJP."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._native import MAX_TENSORS
+from .layout import chunk_geometry, normalize_seq_axis
+from .peer_transport import all_gather_peer, grad_return_peer
+from .xla_transport import all_gather_xla, grad_return_xla
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _as_tuple(arrays, op: str):
+    """(tuple of arrays, function that rebuilds the caller's structure)."""
+    if isinstance(arrays, (tuple, list)):
+        xs = tuple(arrays)
+        if not xs:
+            raise ValueError(f"jax_cpgrad.{op}: got an empty {type(arrays).__name__}")
+        return xs, type(arrays)
+    return (arrays,), lambda out: out[0]
+
+
+def _axis_size(axis_name: str, op: str) -> int:
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except (NameError, KeyError, ValueError) as err:
+        raise ValueError(
+            f"jax_cpgrad.{op}: axis name {axis_name!r} is not bound here; call it inside "
+            f"jax.shard_map over a mesh that has the axis {axis_name!r}") from err
+
+
+def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> int:
+    """Check the arrays of one call; return the non-negative sequence axis."""
+    if len(xs) > MAX_TENSORS:
+        raise ValueError(f"jax_cpgrad.{op}: at most {MAX_TENSORS} arrays per call, got {len(xs)}")
+    first = xs[0]
+    for i, x in enumerate(xs):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"jax_cpgrad.{op}: argument {i} is not an array: {type(x).__name__}")
+        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+            raise ValueError(f"jax_cpgrad.{op}: argument {i} has dtype {x.dtype}; "
+                             "float32, bfloat16 and float16 are supported")
+        if x.shape != first.shape or x.dtype != first.dtype:
+            raise ValueError(f"jax_cpgrad.{op}: all arrays of one call must have the same shape and "
+                             f"dtype: argument 0 is {first.dtype}{list(first.shape)}, argument {i} is "
+                             f"{x.dtype}{list(x.shape)}")
+    seq = normalize_seq_axis(seq_axis, first.ndim)
+    try:
+        chunk_geometry(first.shape, seq, n, global_=global_)
+    except ValueError as err:
+        raise ValueError(f"jax_cpgrad.{op}: {err}") from None
+    return seq
+
+
+def _local_nbytes(xs: tuple, seq: int, n: int, global_: bool) -> int:
+    per = xs[0].dtype.itemsize * int(np.prod(xs[0].shape))
+    return len(xs) * (per // n if global_ else per)
+
+
+# The two transports behind one differentiable pair. `workspace` None means the XLA transport.
+
+def _grad_return_impl(xs, axis_name, seq, workspace):
+    n = jax.lax.axis_size(axis_name)
+    if workspace is None:
+        return tuple(grad_return_xla(x, axis_name, seq, n) for x in xs)
+    return grad_return_peer(xs, axis_name, seq, n, workspace)
+
+
+def _all_gather_impl(xs, axis_name, seq, workspace):
+    n = jax.lax.axis_size(axis_name)
+    if workspace is None:
+        return tuple(all_gather_xla(x, axis_name, seq, n) for x in xs)
+    return all_gather_peer(xs, axis_name, seq, n, workspace)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _grad_return(xs, axis_name, seq, workspace):
+    return _grad_return_impl(xs, axis_name, seq, workspace)
+
+
+def _grad_return_fwd(xs, axis_name, seq, workspace):
+    return _grad_return_impl(xs, axis_name, seq, workspace), None
+
+
+def _grad_return_bwd(axis_name, seq, workspace, _, cts):
+    return (_all_gather_impl(tuple(cts), axis_name, seq, workspace),)
+
+
+_grad_return.defvjp(_grad_return_fwd, _grad_return_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather(xs, axis_name, seq, workspace):
+    return _all_gather_impl(xs, axis_name, seq, workspace)
+
+
+def _all_gather_fwd(xs, axis_name, seq, workspace):
+    return _all_gather_impl(xs, axis_name, seq, workspace), None
+
+
+def _all_gather_bwd(axis_name, seq, workspace, _, cts):
+    return (_grad_return_impl(tuple(cts), axis_name, seq, workspace),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+
+
+def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
+    """Return context-parallel gradients to their owner ranks.
+
+    Inside ``jax.shard_map`` over ``axis_name`` (N devices), each rank passes gradients for the
+    *whole* global sequence (natural order, length S along ``seq_axis``): one array, or a
+    tuple/list of same-shape arrays such as ``(dk, dv)``. Each rank gets back the same structure
+    with local length S/N along ``seq_axis``: the sum over all ranks of global chunks
+    ``(r, 2N-1-r)`` for its rank r, the load-balanced CP layout.
+
+    With ``workspace`` (a :class:`jax_cpgrad.Workspace` for this mesh axis) the sum runs over the
+    peer transport on the GPUs, in float32 in rank order, rounded once: deterministic, bitwise
+    equal to :func:`jax_cpgrad.grad_return_reference`. Without one it runs over XLA collectives
+    (reorder + ``psum_scatter``). Differentiable: its VJP is :func:`all_gather`.
+    """
+    xs, rebuild = _as_tuple(grads, "grad_return")
+    n = _axis_size(axis_name, "grad_return")
+    seq = _validate(xs, seq_axis, n, "grad_return", global_=True)
+    if workspace is not None:
+        workspace.check_call(axis_name, n, _local_nbytes(xs, seq, n, True), "grad_return")
+    return rebuild(_grad_return(xs, axis_name, seq, workspace))
+
+
+def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
+    """Gather CP-layout local shards into natural-order global arrays on every rank.
+
+    The inverse layout of :func:`grad_return` (the forward pass of all-gather CP attention):
+    each rank passes its local shard(s) of length S/N along ``seq_axis`` (chunks r and 2N-1-r)
+    and gets the whole sequence, length S, in natural order. Differentiable: its VJP is
+    :func:`grad_return` on the same transport.
+    """
+    arrays, rebuild = _as_tuple(xs, "all_gather")
+    n = _axis_size(axis_name, "all_gather")
+    seq = _validate(arrays, seq_axis, n, "all_gather", global_=False)
+    if workspace is not None:
+        workspace.check_call(axis_name, n, _local_nbytes(arrays, seq, n, False), "all_gather")
+    return rebuild(_all_gather(arrays, axis_name, seq, workspace))
+
+
+def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
+    """:func:`grad_return`'s exact result (float32 sum in rank order) with XLA collectives.
+
+    Not differentiable through a custom rule and slower (an all-to-all plus n adds); meant as
+    the oracle that the peer transport must match bit for bit.
+    """
+    from .xla_transport import grad_return_reference as reference
+
+    xs, rebuild = _as_tuple(grads, "grad_return_reference")
+    n = _axis_size(axis_name, "grad_return_reference")
+    seq = _validate(xs, seq_axis, n, "grad_return_reference", global_=True)
+    return rebuild(tuple(reference(x, axis_name, seq, n) for x in xs))

@@ -1,0 +1,185 @@
+"""Run N JAX processes on one host, one per CP rank.
+
+    python -m jax_cpgrad.launch -n 4 [--timeout 600] [--devices auto|share|per-rank] script.py [args...]
+
+Each rank runs ``script.py`` with a local coordinator; the script calls
+``jax_cpgrad.launch.initialize()`` (instead of ``jax.distributed.initialize``). Output lines are
+prefixed with the rank. The first rank that fails stops the others, and so does the timeout:
+a protocol bug shows up as a hang, and a hang must never outlive the launcher.
+
+With fewer GPUs than ranks (``--devices share``, chosen automatically), every rank uses GPU 0:
+the processes time-slice one GPU. That tests correctness of the multi-process peer transport
+(CUDA IPC between the processes) but says nothing about NVLink speed. NCCL refuses to run in
+that mode, so use the numpy oracle there, not XLA collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_ENV_COORDINATOR = "JAX_CPGRAD_COORDINATOR"
+_ENV_NUM = "JAX_CPGRAD_NUM_PROCESSES"
+_ENV_RANK = "JAX_CPGRAD_PROCESS_ID"
+_ENV_DEVICE = "JAX_CPGRAD_LOCAL_DEVICE"
+
+
+def initialize() -> None:
+    """Join the launcher's job: ``jax.distributed.initialize`` with this rank's coordinates."""
+    import jax
+
+    if _ENV_COORDINATOR not in os.environ:
+        raise RuntimeError("jax_cpgrad.launch.initialize() must run under `python -m jax_cpgrad.launch`")
+    device = os.environ.get(_ENV_DEVICE)
+    jax.distributed.initialize(
+        coordinator_address=os.environ[_ENV_COORDINATOR],
+        num_processes=int(os.environ[_ENV_NUM]),
+        process_id=int(os.environ[_ENV_RANK]),
+        local_device_ids=[int(device)] if device not in (None, "") else None,
+    )
+
+
+def rank() -> int:
+    return int(os.environ.get(_ENV_RANK, "0"))
+
+
+def num_processes() -> int:
+    return int(os.environ.get(_ENV_NUM, "1"))
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed by the launcher (another rank failed, or timeout)
+    output: str
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, message: str, results: list[RankResult]):
+        super().__init__(message)
+        self.results = results
+
+
+def visible_gpu_count() -> int:
+    """GPUs this host shows (without initializing CUDA in the launcher)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(count, len(visible.split(","))) if visible else count
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def launch(argv: list[str], n: int, *, timeout_s: float = 600.0, devices: str = "auto",
+           env: dict | None = None, echo: bool = True) -> list[RankResult]:
+    """Run ``argv`` as N ranks; return each rank's result, or raise LaunchError on failure/timeout."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    gpus = visible_gpu_count()
+    if devices == "auto":
+        devices = "none" if gpus == 0 else ("per-rank" if gpus >= n else "share")
+    if devices == "share" and echo and n > 1:
+        print(f"[launch] {n} ranks share GPU 0 (time-sliced): timings say nothing about NVLink",
+              file=sys.stderr)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs, outputs, readers = [], [], []
+    for r in range(n):
+        rank_env = dict(os.environ, **(env or {}))
+        rank_env.update({_ENV_COORDINATOR: coordinator, _ENV_NUM: str(n), _ENV_RANK: str(r),
+                         "PYTHONUNBUFFERED": "1"})
+        rank_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        rank_env.setdefault("NCCL_NVLS_ENABLE", "0")
+        rank_env[_ENV_DEVICE] = {"share": "0", "per-rank": str(r)}.get(devices, "")
+        proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        procs.append(proc)
+        lines: list[str] = []
+        outputs.append(lines)
+
+        def pump(stream=proc.stdout, lines=lines, r=r):
+            for line in stream:
+                lines.append(line)
+                if echo:
+                    sys.stdout.write(f"[rank {r}] {line}")
+                    sys.stdout.flush()
+
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        readers.append(thread)
+
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                failure = f"rank {failed[0]} exited with code {procs[failed[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                failure = f"timed out after {timeout_s:.0f} s"
+                break
+            time.sleep(0.05)
+        else:
+            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                failure = f"rank {failed[0]} exited with code {procs[failed[0]].returncode}"
+    finally:
+        killed = {r for r, p in enumerate(procs) if p.poll() is None}
+        for p in procs:
+            _kill(p)
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(timeout=5)
+    results = [RankResult(r, None if r in killed else p.returncode, "".join(outputs[r]))
+               for r, p in enumerate(procs)]
+    if failure:
+        raise LaunchError(f"jax_cpgrad.launch: {failure}", results)
+    return results
+
+
+def main(args: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_cpgrad.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is killed")
+    parser.add_argument("--devices", choices=["auto", "share", "per-rank", "none"], default="auto",
+                        help="GPU per rank: per-rank (GPU r), share (all on GPU 0), none (CPU)")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args(args)
+    argv = [sys.executable, opts.script, *opts.script_args]
+    try:
+        launch(argv, opts.num_processes, timeout_s=opts.timeout, devices=opts.devices)
+    except LaunchError as err:
+        print(err, file=sys.stderr)
+        return 124 if "timed out" in str(err) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

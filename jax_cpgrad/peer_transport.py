@@ -1,0 +1,37 @@
+"""The peer transport: the CUDA FFI handlers, called on XLA's stream inside ``shard_map``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ._native import ALL_GATHER_TARGET, GRAD_RETURN_TARGET
+
+
+def _result_type(x, shape):
+    """Result type that keeps ``x``'s varying mesh axes (or gradients come out wrong)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "mat"):  # jax >= 0.11
+        return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=aval.mat)
+    return jax.ShapeDtypeStruct(shape, x.dtype, vma=aval.vma)
+
+
+def _call(target: str, xs: tuple, out_len: int, seq_axis: int, n: int, workspace):
+    out_shape = xs[0].shape[:seq_axis] + (out_len,) + xs[0].shape[seq_axis + 1:]
+    call = jax.ffi.ffi_call(
+        target,
+        tuple(_result_type(x, out_shape) for x in xs),
+        has_side_effect=True,  # every call advances the epoch: never drop or merge one
+        # vmap adds leading axes; the handler counts seq_axis from the back, so it still holds.
+        vmap_method="broadcast_all",
+    )
+    return tuple(call(*xs, workspace_id=np.int64(workspace.id), axis_size=np.int64(n),
+                      seq_axis_from_end=np.int64(xs[0].ndim - seq_axis)))
+
+
+def grad_return_peer(xs: tuple, axis_name: str, seq_axis: int, n: int, workspace):
+    return _call(GRAD_RETURN_TARGET, xs, xs[0].shape[seq_axis] // n, seq_axis, n, workspace)
+
+
+def all_gather_peer(xs: tuple, axis_name: str, seq_axis: int, n: int, workspace):
+    return _call(ALL_GATHER_TARGET, xs, xs[0].shape[seq_axis] * n, seq_axis, n, workspace)

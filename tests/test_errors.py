@@ -1,0 +1,70 @@
+"""Bad input is a ValueError at trace time that names the problem."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_cpgrad as cpg
+from spmd import cp_mesh as _mesh, place
+
+cp_mesh = lambda n: _mesh(n, "cpu")
+
+
+def _trace(n, fn, *arrays):
+    mesh = cp_mesh(n)
+    f = jax.jit(jax.shard_map(lambda *xs: jax.tree.map(lambda o: o[None], fn(*(x[0] for x in xs))),
+                              mesh=mesh, in_specs=P("cp"), out_specs=P("cp")))
+    return f(*(place(mesh, a) for a in arrays))
+
+
+def z(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("fn,arrays,match", [
+    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1), [z(2, 2, 10, 3)],
+     "global sequence length 10 .* multiple of 4"),
+    (lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1), [z(2, 2, 3, 3)],
+     "local sequence length 3 .* multiple of 2"),
+    (lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1), [z(2, 2, 8, 3), z(2, 2, 8, 4)],
+     "same shape and dtype"),
+    (lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1),
+     [z(2, 2, 8, 3), z(2, 2, 8, 3, dtype=np.float16)], "same shape and dtype"),
+    (lambda a: cpg.grad_return(a, axis_name="tp", seq_axis=1), [z(2, 2, 8, 3)],
+     "axis name 'tp' is not bound"),
+    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=3), [z(2, 2, 8, 3)], "seq_axis 3 is out of range"),
+    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=-4), [z(2, 2, 8, 3)], "seq_axis -4 is out of range"),
+    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3, dtype=np.int32)],
+     "dtype int32"),
+    (lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3, dtype=np.complex64)],
+     "dtype complex64"),
+    (lambda a: cpg.grad_return((), axis_name="cp", seq_axis=1), [z(2, 2, 8, 3)], "empty tuple"),
+    (lambda a: cpg.grad_return((a,) * 9, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3)], "at most 8 arrays"),
+])
+def test_bad_input_raises_value_error(fn, arrays, match):
+    with pytest.raises(ValueError, match=match):
+        _trace(2, fn, *arrays)
+
+
+def test_outside_shard_map_is_a_clear_error():
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        cpg.grad_return(jnp.zeros((2, 8, 3)), axis_name="cp")
+
+
+def test_workspace_needs_gpus():
+    mesh = cp_mesh(2)
+    with pytest.raises(ValueError, match="needs GPUs"):
+        cpg.Workspace(mesh, "cp", nbytes=1024)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(axis_name="sp", nbytes=1024), "not an axis of the mesh"),
+    (dict(axis_name="cp", nbytes=0), "nbytes must be a positive int"),
+    (dict(axis_name="cp", nbytes=-5), "nbytes must be a positive int"),
+    (dict(axis_name="cp", nbytes=1.5), "nbytes must be a positive int"),
+])
+def test_workspace_argument_checks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cpg.Workspace(cp_mesh(2), **kwargs)

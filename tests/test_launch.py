@@ -1,0 +1,64 @@
+"""The multi-process launcher, on the CPU: ranks, fail-fast and the timeout."""
+
+import sys
+import textwrap
+
+import pytest
+
+from jax_cpgrad import launch
+
+
+def _script(tmp_path, body: str) -> list[str]:
+    path = tmp_path / "rank_script.py"
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def test_each_rank_gets_its_coordinates(tmp_path):
+    argv = _script(tmp_path, """
+        from jax_cpgrad import launch
+        print(f"rank={launch.rank()} of {launch.num_processes()}")
+    """)
+    results = launch.launch(argv, 3, timeout_s=60, devices="none", echo=False)
+    assert [r.returncode for r in results] == [0, 0, 0]
+    assert [r.output.strip() for r in results] == [f"rank={r} of 3" for r in range(3)]
+
+
+def test_jax_distributed_job_on_cpu(tmp_path):
+    argv = _script(tmp_path, """
+        import jax
+        from jax_cpgrad import launch
+        launch.initialize()
+        print(f"process {jax.process_index()} of {jax.process_count()}, {len(jax.devices())} devices")
+    """)
+    results = launch.launch(argv, 2, timeout_s=120, devices="none", echo=False)
+    assert sorted(r.output.strip().splitlines()[-1] for r in results) == [
+        "process 0 of 2, 2 devices", "process 1 of 2, 2 devices"]
+
+
+def test_first_failure_stops_the_others(tmp_path):
+    argv = _script(tmp_path, """
+        import sys, time
+        from jax_cpgrad import launch
+        if launch.rank() == 1:
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    with pytest.raises(launch.LaunchError, match="rank 1 exited with code 3") as info:
+        launch.launch(argv, 3, timeout_s=50, devices="none", echo=False)
+    codes = {r.rank: r.returncode for r in info.value.results}
+    assert codes[1] == 3 and codes[0] is None and codes[2] is None
+
+
+def test_timeout_kills_every_rank(tmp_path):
+    argv = _script(tmp_path, "import time; time.sleep(60)\n")
+    with pytest.raises(launch.LaunchError, match="timed out after 2 s"):
+        launch.launch(argv, 2, timeout_s=2, devices="none", echo=False)
+
+
+def test_command_line_exit_codes(tmp_path):
+    ok = _script(tmp_path, "print('hi')\n")
+    assert launch.main(["-n", "2", "--devices", "none", ok[1]]) == 0
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise SystemExit(2)\n")
+    assert launch.main(["-n", "2", "--devices", "none", str(bad)]) == 1
