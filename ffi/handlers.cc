@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <sstream>
 #include <string>
 
 #include "cp_layout.h"
@@ -38,11 +37,9 @@ namespace jax_cpgrad {
 namespace {
 
 std::string shape_text(ffi::Span<const int64_t> dims) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << "]";
-  return os.str();
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
 }
 
 bool element_type_of(ffi::DataType dt, ElementType* out) {
@@ -176,7 +173,7 @@ ffi::Error CollectiveImpl(cudaStream_t stream, int32_t device, ffi::RemainingArg
                       "jax_cpgrad: workspace #" + std::to_string(attrs.workspace_id) +
                           " is closed (or was never created in this process)");
   }
-  if (ws->failed.load()) return ffi::Error(ffi::ErrorCode::kAborted, ws->failure_text());
+  if (ws->failed.load()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, ws->failure_text());
   Member* m = ws->member_for_device(device);
   if (m == nullptr) {
     return ffi::Error::InvalidArgument("jax_cpgrad: GPU " + std::to_string(device) +

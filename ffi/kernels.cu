@@ -19,6 +19,31 @@ struct TensorPtrs {
   char* out[kMaxTensors];
 };
 
+// Streaming (read-once / write-once) accesses for 16-byte vectors: the data is touched once per
+// call, so keep it from evicting what the rest of the step has in L1/L2.
+template <typename V>
+__device__ __forceinline__ V load_once(const V* p) {
+  if constexpr (sizeof(V) == 16) {
+    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+    V v;
+    memcpy(&v, &raw, 16);
+    return v;
+  } else {
+    return *p;
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ void store_once(V* p, const V& v) {
+  if constexpr (sizeof(V) == 16) {
+    uint4 raw;
+    memcpy(&raw, &v, 16);
+    __stcs(reinterpret_cast<uint4*>(p), raw);
+  } else {
+    *p = v;
+  }
+}
+
 // Is the word at `own_region + kErrorWordOffset` set (the watchdog released a stuck wait)?
 __device__ __forceinline__ bool call_failed(const char* own_region) {
   return own_region != nullptr &&
@@ -95,31 +120,46 @@ __global__ void __launch_bounds__(kThreads) copy_rows(Map map, int64_t rows, int
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int64_t i = base + u * kThreads;
-        if (i < vecs_per_row) v[u] = src[i];
+        if (i < vecs_per_row) v[u] = load_once(src + i);
       }
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int64_t i = base + u * kThreads;
         if (i < vecs_per_row) {
           if (failed) memset(&v[u], 0xff, sizeof(Vec));  // all-ones: NaN in every float format
-          dst[i] = v[u];
+          store_once(dst + i, v[u]);
         }
       }
     }
   }
 }
 
-int device_sm_count() {
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
+// Multiprocessors of the first GPU asked (the GPUs of one CP group are alike).
+int64_t device_sm_count() {
+  static const int64_t sms = [] {
+    int device = 0, count = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return static_cast<int64_t>(count);
+  }();
   return sms;
 }
 
-// Grid for `rows` rows of `work_per_row` units where one block covers `per_block` units.
+// Blocks of `Kernel` that fit on one multiprocessor at once (looked up once per kernel).
+template <auto Kernel>
+int64_t resident_blocks_per_sm() {
+  static const int64_t blocks = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
+    return static_cast<int64_t>(b);
+  }();
+  return blocks;
+}
+
+// One wave of `Kernel` over `rows` rows of `work_per_row` units, one block covering `per_block`
+// units of a row: no tail wave, and grid-stride loops do the rest.
+template <auto Kernel>
 dim3 grid_for(int64_t rows, int64_t work_per_row, int64_t per_block) {
-  static const int64_t target = int64_t(device_sm_count()) * 8;
+  const int64_t target = device_sm_count() * resident_blocks_per_sm<Kernel>();
   const int64_t gx = std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
   const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
@@ -134,10 +174,12 @@ cudaError_t launch_copy(const Map& map, int64_t rows, int64_t row_bytes, bool al
   if (rows == 0 || row_bytes == 0) return cudaSuccess;
   if (all_aligned_16 && row_bytes % 16 == 0) {
     const int64_t vecs = row_bytes / 16;
-    copy_rows<uint4, Map><<<grid_for(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+    constexpr auto kernel = copy_rows<uint4, Map>;
+    kernel<<<grid_for<kernel>(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
   } else {
     const int64_t vecs = row_bytes / 2;  // every supported dtype is a multiple of 2 bytes
-    copy_rows<uint16_t, Map><<<grid_for(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+    constexpr auto kernel = copy_rows<uint16_t, Map>;
+    kernel<<<grid_for<kernel>(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
   }
   return cudaGetLastError();
 }
@@ -174,12 +216,14 @@ struct alignas(sizeof(T) * kElems) Pack {
   T v[kElems];
 };
 
-// One thread block row loop: out row (k, b, h) = sum over writers w = 0..N-1, in that order, of
-// writer w's run: our own from the global input, the others from their slots.
+// out row (k, b, h) = sum over writers w = 0..N-1, in that order, of writer w's run: our own
+// from the global input, the others from their slots. Loads of kWriterBatch writers are issued
+// before their adds, so each thread keeps kWriterBatch * kSumUnroll 16-byte loads in flight.
 template <typename T, int kElems>
 __global__ void __launch_bounds__(kThreads)
 accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t packs_per_row) {
   using P = Pack<T, kElems>;
+  constexpr int kWriterBatch = 4;
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
   const bool failed = call_failed(own_region);
@@ -195,17 +239,28 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t pac
     for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
          base < packs_per_row; base += stride) {
       float acc[kSumUnroll][kElems];
-      for (int64_t w = 0; w < plan.n; ++w) {
-        const P* src = reinterpret_cast<const P*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
+      for (int64_t w0 = 0; w0 < plan.n; w0 += kWriterBatch) {
+        P p[kWriterBatch][kSumUnroll];
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t i = base + u * kThreads;
-          if (i >= packs_per_row) continue;
-          const P p = src[i];
+        for (int j = 0; j < kWriterBatch; ++j) {
+          const int64_t w = w0 + j;
+          const P* src = reinterpret_cast<const P*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) {
-            const float x = Convert<T>::load(p.v[e]);
-            acc[u][e] = w == 0 ? x : acc[u][e] + x;
+          for (int u = 0; u < kSumUnroll; ++u) {
+            const int64_t i = base + u * kThreads;
+            if (w < plan.n && i < packs_per_row) p[j][u] = load_once(src + i);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kWriterBatch; ++j) {
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) {
+              if (w0 + j >= plan.n) continue;
+              const float x = Convert<T>::load(p[j][u].v[e]);
+              acc[u][e] = w0 + j == 0 ? x : acc[u][e] + x;
+            }
           }
         }
       }
@@ -217,7 +272,7 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t pac
 #pragma unroll
         for (int e = 0; e < kElems; ++e) p.v[e] = Convert<T>::store(acc[u][e]);
         if (failed) memset(&p, 0xff, sizeof(P));
-        out[i] = p;
+        store_once(out + i, p);
       }
     }
   }
@@ -231,28 +286,23 @@ cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, b
   constexpr int kWide = 16 / sizeof(T);
   if (ok16 && rb % 16 == 0 && plan.slot_bytes % 16 == 0) {
     const int64_t packs = rb / 16;
-    accumulate_rows<T, kWide><<<grid_for(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(
-        plan, t, own_region, packs);
+    constexpr auto kernel = accumulate_rows<T, kWide>;
+    kernel<<<grid_for<kernel>(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, packs);
   } else {
     const int64_t packs = plan.run;
-    accumulate_rows<T, 1><<<grid_for(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(
-        plan, t, own_region, packs);
+    constexpr auto kernel = accumulate_rows<T, 1>;
+    kernel<<<grid_for<kernel>(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, packs);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t warm_accumulate() {
+// Loads a kernel and primes its launch-configuration statics, outside the handler's hot path.
+template <auto Kernel>
+cudaError_t warm() {
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, accumulate_rows<T, 16 / sizeof(T)>);
-  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, accumulate_rows<T, 1>);
-}
-
-template <typename Map>
-cudaError_t warm_copy() {
-  cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, copy_rows<uint4, Map>);
-  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, copy_rows<uint16_t, Map>);
+  cudaError_t err = cudaFuncGetAttributes(&attr, Kernel);
+  resident_blocks_per_sm<Kernel>();
+  return err;
 }
 
 }  // namespace
@@ -294,9 +344,14 @@ cudaError_t launch_gather(const CallPlan& plan, const void* const* local_inputs,
 }
 
 cudaError_t warm_kernels() {
-  for (cudaError_t err : {warm_copy<OwnerChunksMap>(), warm_copy<LocalCopiesMap>(),
-                          warm_copy<GatherMap>(), warm_accumulate<float>(),
-                          warm_accumulate<__nv_bfloat16>(), warm_accumulate<__half>()}) {
+  device_sm_count();
+  for (cudaError_t err : {
+           warm<copy_rows<uint4, OwnerChunksMap>>(), warm<copy_rows<uint16_t, OwnerChunksMap>>(),
+           warm<copy_rows<uint4, LocalCopiesMap>>(), warm<copy_rows<uint16_t, LocalCopiesMap>>(),
+           warm<copy_rows<uint4, GatherMap>>(), warm<copy_rows<uint16_t, GatherMap>>(),
+           warm<accumulate_rows<float, 4>>(), warm<accumulate_rows<float, 1>>(),
+           warm<accumulate_rows<__nv_bfloat16, 8>>(), warm<accumulate_rows<__nv_bfloat16, 1>>(),
+           warm<accumulate_rows<__half, 8>>(), warm<accumulate_rows<__half, 1>>()}) {
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -42,30 +41,30 @@ void release(const WorkspaceState& ws, const Member& m) {
   cudaStreamSynchronize(m.watchdog_stream);
 }
 
+// (No iostreams here: a locale-dependent stream in this thread crashed inside libstdc++.)
 std::string describe_timeout(const WorkspaceState& ws, const Member& m, uint32_t epoch) {
   cudaSetDevice(m.device);
   std::vector<uint32_t> flags(ws.n, 0);
   cudaMemcpyAsync(flags.data(), m.own_region, 4 * flags.size(), cudaMemcpyDeviceToHost,
                   m.watchdog_stream);
   cudaStreamSynchronize(m.watchdog_stream);
-  std::ostringstream missing, last;
-  int count = 0;
+  std::string missing, last;
   for (int64_t w = 0; w < ws.n; ++w) {
     if (w == m.rank || static_cast<int32_t>(flags[w] - epoch) >= 0) continue;
-    missing << (count ? ", " : "") << w;
-    last << (count ? ", " : "") << "rank " << w << " at " << flags[w];
-    ++count;
+    const std::string sep = missing.empty() ? "" : ", ";
+    missing += sep + std::to_string(w);
+    last += sep + "rank " + std::to_string(w) + " at " + std::to_string(flags[w]);
   }
   const auto op = static_cast<OpKind>(m.op_of_epoch[epoch % m.op_of_epoch.size()].load());
-  std::ostringstream os;
-  os << "jax_cpgrad: " << op_name(op) << " call with epoch " << epoch << " on workspace '"
-     << ws.name << "' timed out after " << ws.timeout_s << " s on CP rank " << m.rank << " of "
-     << ws.n << " (GPU " << m.device << "): CP ranks [" << missing.str()
-     << "] never arrived (last epochs they published: " << last.str()
-     << "). A peer process probably died, hung, or skipped a call. The outputs of that call are "
-        "NaN and this workspace is now unusable. Set the timeout with "
-        "Workspace(..., timeout_s=...) or JAX_CPGRAD_TIMEOUT_S.";
-  return os.str();
+  char timeout[32];
+  std::snprintf(timeout, sizeof(timeout), "%g", ws.timeout_s);
+  return std::string("jax_cpgrad: ") + op_name(op) + " call with epoch " + std::to_string(epoch) +
+         " on workspace '" + ws.name + "' timed out after " + timeout + " s on CP rank " +
+         std::to_string(m.rank) + " of " + std::to_string(ws.n) + " (GPU " + std::to_string(m.device) +
+         "): CP ranks [" + missing + "] never arrived (last epochs they published: " + last +
+         "). A peer process probably died, hung, or skipped a call. The outputs of that call are "
+         "NaN and this workspace is now unusable. Set the timeout with "
+         "Workspace(..., timeout_s=...) or JAX_CPGRAD_TIMEOUT_S.";
 }
 
 void poll_once(std::vector<Watch>& watches) {

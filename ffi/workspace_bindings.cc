@@ -28,6 +28,7 @@ namespace jax_cpgrad {
 namespace {
 
 std::atomic<int64_t> g_next_id{1};
+std::atomic<int64_t> g_open_ipc_mappings{0};  // for leak tests
 
 // Restores the calling thread's current device when setup code is done with another one.
 class DeviceGuard {
@@ -130,6 +131,7 @@ class NativeWorkspace {
             continue;
           }
           m.ipc_mapped.push_back(ptr);
+          ++g_open_ipc_mappings;
           m.regions.region[r] = static_cast<char*>(ptr);
         }
       }
@@ -167,7 +169,10 @@ class NativeWorkspace {
       int previous = 0;
       cudaGetDevice(&previous);
       cudaSetDevice(m->device);
-      for (void* p : m->ipc_mapped) cudaIpcCloseMemHandle(p);
+      for (void* p : m->ipc_mapped) {
+        cudaIpcCloseMemHandle(p);
+        --g_open_ipc_mappings;
+      }
       m->ipc_mapped.clear();
       if (m->own_region) cudaFree(m->own_region);
       if (m->progress) cudaFreeHost(const_cast<ProgressWords*>(m->progress));
@@ -257,6 +262,14 @@ std::string pci_bus_id(int device) {
 
 nb::capsule handler_capsule(void* fn) { return nb::capsule(fn); }
 
+// (free, total) bytes of GPU `device`, for memory-leak checks.
+std::tuple<int64_t, int64_t> device_memory(int device) {
+  DeviceGuard guard(device);
+  size_t free_b = 0, total_b = 0;
+  CPG_CUDA_OR_THROW(cudaMemGetInfo(&free_b, &total_b));
+  return {static_cast<int64_t>(free_b), static_cast<int64_t>(total_b)};
+}
+
 }  // namespace
 
 void bind_workspace(nb::module_& m) {
@@ -274,6 +287,8 @@ void bind_workspace(nb::module_& m) {
       .def("status", &NativeWorkspace::status);
   m.def("peer_unreachable_reason", &peer_unreachable_reason, nb::arg("device"), nb::arg("pci_bus_id"));
   m.def("pci_bus_id", &pci_bus_id, nb::arg("device"));
+  m.def("device_memory", &device_memory, nb::arg("device"));
+  m.def("open_ipc_mappings", [] { return g_open_ipc_mappings.load(); });
   m.def("watchdog_stop", &watchdog_stop, nb::call_guard<nb::gil_scoped_release>());
   m.def("handlers", [] {
     nb::dict d;

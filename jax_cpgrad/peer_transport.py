@@ -9,11 +9,8 @@ from ._native import ALL_GATHER_TARGET, GRAD_RETURN_TARGET
 
 
 def _result_type(x, shape):
-    """Result type that keeps ``x``'s varying mesh axes (or gradients come out wrong)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "mat"):  # jax >= 0.11
-        return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=aval.mat)
-    return jax.ShapeDtypeStruct(shape, x.dtype, vma=aval.vma)
+    """x's type (dtype, mesh and varying axes, or gradients come out wrong) with a new shape."""
+    return jax.typeof(x).update(shape=tuple(shape))
 
 
 def _call(target: str, xs: tuple, out_len: int, seq_axis: int, n: int, workspace):

@@ -180,6 +180,100 @@ def errors(mesh, n):
     return {"ok": not failures, "failures": failures}
 
 
+def soak(mesh, n):
+    """100,000 calls on one workspace, data changing every call, every result checked; device
+    memory before and after."""
+    from jax_cpgrad._native import ext
+
+    shape, seq = (1, 4 * n, 2, 64), 1
+    base = _integer_data(n, shape, 15)
+    device = jax.local_devices()[0].local_hardware_id
+    with cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, name="soak") as ws:
+        _run_calls(mesh, n, ws, base, calls_per_step=1000, steps=1, seq=seq)  # compile, warm up
+        free_before = ext.device_memory(device)[0]
+        t0 = time.time()
+        checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=1000, steps=100, seq=seq)
+        elapsed = time.time() - t0
+        free_after = ext.device_memory(device)[0]
+    per_process_calls = 100_000 * len(local_ranks(mesh))
+    return {"ok": not bad and checked == per_process_calls and abs(free_before - free_after) < (64 << 20),
+            "checked_calls": checked, "bad_calls": len(bad), "seconds": round(elapsed, 1),
+            "us_per_call": round(elapsed / 100_000 * 1e6, 1),
+            "free_mib_before": free_before >> 20, "free_mib_after": free_after >> 20}
+
+
+def lifecycle(mesh, n):
+    """1,000 create/close cycles leak no device memory and no IPC mappings; each workspace works."""
+    from jax_cpgrad._native import ext
+
+    shape, seq = (1, 4 * n, 2, 64), 1
+    base = _integer_data(n, shape, 16)
+    device = jax.local_devices()[0].local_hardware_id
+    want = grad_return_oracle(list(base), n, seq)
+
+    def one_cycle(check: bool):
+        with cpg.Workspace(mesh, "cp", nbytes=4 << 20, name="cycle") as ws:
+            if check:
+                out = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))(base)
+                return all(np.array_equal(v, want[r]) for r, v in out.items())
+        return True
+
+    ok_calls = one_cycle(True)
+    free_before = ext.device_memory(device)[0]
+    mappings_before = ext.open_ipc_mappings()
+    t0 = time.time()
+    for i in range(1000):
+        ok_calls &= one_cycle(check=i % 100 == 0)
+    elapsed = time.time() - t0
+    free_after = ext.device_memory(device)[0]
+    mappings_after = ext.open_ipc_mappings()
+    return {"ok": ok_calls and mappings_after == mappings_before == 0 and free_before - free_after < (64 << 20),
+            "cycles": 1000, "seconds": round(elapsed, 1), "free_mib_before": free_before >> 20,
+            "free_mib_after": free_after >> 20, "open_ipc_mappings_after": mappings_after}
+
+
+def independent(mesh, n):
+    """Two workspaces on different axes of a 2-D mesh, used alternately, stay independent."""
+    if n != 4:
+        return {"ok": True, "skipped": "needs exactly 4 ranks (a 2 x 2 mesh)"}
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh2 = Mesh(np.asarray(mesh.devices).reshape(2, 2), ("dp", "cp"))
+    shape = (1, 8, 2, 32)
+    base = _integer_data(4, shape, 17)  # rank r = 2 * dp + cp
+    ws_cp = cpg.Workspace(mesh2, "cp", nbytes=1 << 16, name="along-cp")
+    ws_dp = cpg.Workspace(mesh2, "dp", nbytes=1 << 16, name="along-dp")
+
+    def body(x):
+        x = x[0]
+        outs = []
+        for i in range(6):  # alternate the two workspaces, with data that changes per call
+            ws, axis = (ws_cp, "cp") if i % 2 == 0 else (ws_dp, "dp")
+            outs.append(cpg.grad_return(x + i, axis_name=axis, seq_axis=1, workspace=ws))
+        return jnp.stack(outs)[None]
+
+    spec = P(("dp", "cp"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=spec, out_specs=spec))
+    sharding = NamedSharding(mesh2, spec)
+    me = local_ranks(mesh)[0]
+    arr = jax.make_array_from_process_local_data(sharding, base[me:me + 1], base.shape) \
+        if jax.process_count() > 1 else jax.device_put(base, sharding)
+    out = {int(np.where(np.asarray(mesh2.devices).flat == s.device)[0][0]): np.asarray(s.data)[0]
+           for s in f(arr).addressable_shards}
+    failures = []
+    for r, got in out.items():
+        dp, cp = divmod(r, 2)
+        for i in range(6):
+            group = [2 * dp + c for c in range(2)] if i % 2 == 0 else [2 * d + cp for d in range(2)]
+            pos = cp if i % 2 == 0 else dp
+            want = grad_return_oracle([base[g] + i for g in group], 2, 1)[pos]
+            if not np.array_equal(got[i], want):
+                failures.append(f"rank {r} call {i}")
+    ws_cp.close()
+    ws_dp.close()
+    return {"ok": not failures, "failures": failures}
+
+
 def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
     """Call 1 with everyone; before call 2 the last rank runs `straggler_action`; the others call."""
     shape, seq = (1, 8 * n, 2, 32), 1
@@ -189,17 +283,20 @@ def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
     f = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))
     want = grad_return_oracle(list(base), n, seq)[me]
     first_ok = np.array_equal(f(base)[me], want)
+    print(f"STEP first call done, correct={first_ok}", flush=True)
     if me == n - 1:
         straggler_action()
     t0 = time.time()
     out = f(base)[me]
     second = {"seconds": round(time.time() - t0, 2), "correct": bool(np.array_equal(out, want)),
               "all_nan": bool(np.all(np.isnan(out)))}
+    print(f"STEP second call done: {second}", flush=True)
     try:
         ws.check()
         check_error = None
     except RuntimeError as err:
         check_error = str(err)
+    print(f"STEP check done: {check_error}", flush=True)
     try:
         f(base)
         third_error = None
@@ -244,7 +341,8 @@ def dead_peer(mesh, n):
 
 
 SCENARIOS = {"correctness": correctness, "race": race, "wrap": wrap, "errors": errors,
-             "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer}
+             "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
+             "soak": soak, "lifecycle": lifecycle, "independent": independent}
 
 
 def main(names: list[str]) -> int:
