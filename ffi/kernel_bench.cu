@@ -126,12 +126,37 @@ nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const st
   return result;
 }
 
+// Plain copy of `bytes` from GPU `src` to GPU `dst` (the same GPU: a device copy; another: a
+// peer copy over NVLink/PCIe): the ceiling for the bytes a rank sends.
+nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  CPG_CUDA_OR_THROW(cudaSetDevice(dst));
+  DeviceBuffer to(bytes);
+  CPG_CUDA_OR_THROW(cudaSetDevice(src));
+  DeviceBuffer from(bytes);
+  if (src != dst) {
+    cudaError_t err = cudaDeviceEnablePeerAccess(dst, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError(); else CPG_CUDA_OR_THROW(err);
+  }
+  cudaStream_t stream;
+  CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  nb::dict d = time_ms([&](cudaStream_t s) {
+    return cudaMemcpyPeerAsync(to.ptr, dst, from.ptr, src, bytes, s);
+  }, stream, iters, reps);
+  cudaStreamDestroy(stream);
+  cudaSetDevice(previous);
+  return d;
+}
+
 }  // namespace
 
 void bind_kernel_bench(nb::module_& m) {
   m.def("kernel_bench", &kernel_bench, nb::arg("n"), nb::arg("tensors"), nb::arg("global_bytes"),
         nb::arg("dtype"), nb::arg("iters") = 20, nb::arg("reps") = 7,
         "Time the transport's kernels for one rank, N writers emulated on this GPU.");
+  m.def("copy_bench", &copy_bench, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters") = 20,
+        nb::arg("reps") = 7, "Time a plain copy of `bytes` from GPU src to GPU dst.");
 }
 
 }  // namespace jax_cpgrad

@@ -81,6 +81,11 @@ def visible_gpu_count() -> int:
     return min(count, len(visible.split(","))) if visible else count
 
 
+def ranks_share_gpu() -> bool:
+    """Inside a launched job: do the ranks share one GPU (fewer GPUs than ranks)?"""
+    return num_processes() > 1 and visible_gpu_count() < num_processes()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

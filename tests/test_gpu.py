@@ -73,8 +73,10 @@ def test_peer_transport_multiprocess(gpu, n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_missing_peer_times_out_naming_it(gpu, n):
-    found = _run(n, ["missing_peer"], timeout_s=180)
-    _assert_all_ok(found, n, ["missing_peer"])
+    """The last rank stalls; the others fail within the timeout, naming it. (Once they exit, the
+    JAX coordination service takes the straggler down too: only the waiters report.)"""
+    found = _run(n, ["missing_peer"], timeout_s=180, allow_failure=True)
+    _assert_all_ok(found, n - 1, ["missing_peer"])
 
 
 def test_slow_peer_within_timeout_is_fine(gpu):
@@ -83,7 +85,7 @@ def test_slow_peer_within_timeout_is_fine(gpu):
 
 
 def test_dead_peer_process_times_out_naming_it(gpu):
-    found = _run(2, ["dead_peer"], timeout_s=180)
+    found = _run(2, ["dead_peer"], timeout_s=180, allow_failure=True)
     _assert_all_ok(found, 2, ["dead_peer"])
 
 

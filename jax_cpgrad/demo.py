@@ -1,0 +1,159 @@
+"""The demo: a few context-parallel training steps of the example transformer.
+
+    python -m jax_cpgrad.demo [--n N] [--seq-len S] [--dtype float32|bfloat16] [--steps K]
+
+Picks what the machine has: several GPUs in one process -> both transports (peer and XLA/NCCL),
+one GPU -> N processes sharing it (peer transport only: NCCL refuses duplicate GPUs), no GPU ->
+8 CPU devices and the XLA transport. Prints the loss per step, the difference against the same
+model run unsharded, and the time per step of each transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jax_cpgrad.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=None, help="CP size (default: 8 on CPU, all GPUs, or 4 processes on one GPU)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="force 8 CPU devices and the XLA transport")
+    return p.parse_args(argv)
+
+
+def _choose_platform(opts) -> str:
+    """'gpu-multi' (one process, several GPUs), 'gpu-shared' (relaunch as N processes), 'cpu'."""
+    from jax_cpgrad import launch
+    from jax_cpgrad._native import HAS_CUDA
+
+    if "JAX_CPGRAD_COORDINATOR" in os.environ:
+        return "gpu-ranks"
+    gpus = 0 if opts.cpu or not HAS_CUDA else launch.visible_gpu_count()
+    if gpus >= 2:
+        return "gpu-multi"
+    if gpus == 1:
+        return "gpu-shared"
+    return "cpu"
+
+
+def _say(*args):
+    import jax
+
+    if jax.process_index() == 0:
+        print(*args, flush=True)
+
+
+def main(argv=None) -> int:
+    opts = _parse(argv if argv is not None else sys.argv[1:])
+    platform = _choose_platform(opts)
+    if platform == "gpu-shared":
+        from jax_cpgrad import launch
+
+        n = opts.n or 4
+        print(f"One GPU: running {n} CP ranks as {n} processes sharing it (peer transport over CUDA IPC).")
+        try:
+            results = launch.launch([sys.executable, "-m", "jax_cpgrad.demo", *(argv or sys.argv[1:])], n,
+                                    timeout_s=600, devices="share", echo=False)
+        except launch.LaunchError as err:
+            for r in err.results:
+                print(f"--- rank {r.rank} (exit code {r.returncode}):\n{r.output[-3000:]}")
+            print(err)
+            return 1
+        print(results[0].output, end="")
+        return 0
+
+    import jax
+
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    else:
+        if platform == "gpu-ranks":
+            from jax_cpgrad import launch
+
+            launch.initialize()
+    return _run(opts, platform)
+
+
+def _run(opts, platform: str) -> int:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jax_cpgrad as cpg
+    from jax_cpgrad.example.cp_step import local_value, make_train_step, param_grad_bytes, replicate, shard_batch
+    from jax_cpgrad.example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
+
+    devices = jax.devices()
+    n = min(opts.n or len(devices), len(devices))
+    mesh = Mesh(np.array(devices[:n]), ("cp",))
+    cfg = Config(seq_len=opts.seq_len, batch=opts.batch, dtype=opts.dtype)
+    from jax_cpgrad import launch
+
+    shared_gpu = platform == "gpu-ranks" and launch.ranks_share_gpu()
+    transports = []
+    if platform != "cpu":
+        transports.append("peer")
+    if not shared_gpu:
+        transports.append("xla")  # NCCL cannot run with several processes on one GPU
+    kind = {"cpu": f"{n} CPU devices", "gpu-multi": f"{n} GPUs in one process",
+            "gpu-ranks": f"{n} processes, one GPU each" if not shared_gpu else f"{n} processes sharing one GPU (time-sliced)"}[platform]
+    _say(f"jax_cpgrad demo: {kind}; transports: {', '.join(transports)}")
+    _say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq_len}, "
+         f"batch {cfg.batch}, {cfg.dtype}")
+
+    params0 = init_params(cfg, seed=0)
+    batches = [synthetic_batch(cfg, seed=i) for i in range(opts.steps)]
+    with jax.default_device(jax.local_devices()[0]):
+        ref_loss, ref_grads = reference_loss_and_grads(params0, *batches[0], cfg)
+    ref_loss, ref_grads = float(ref_loss), jax.tree.map(np.asarray, ref_grads)
+
+    report = []
+    for transport in transports:
+        ws = None
+        if transport == "peer":
+            kv_bytes = 2 * cfg.batch * (cfg.seq_len // n) * cfg.heads * cfg.d_head * np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
+            ws = cpg.Workspace(mesh, "cp", nbytes=max(kv_bytes, param_grad_bytes(params0)), name="demo")
+        step = make_train_step(cfg, mesh, workspace=ws)
+        params = replicate(mesh, params0)
+        losses, times = [], []
+        diff_loss = diff_grad = None
+        for i, (tokens, targets) in enumerate(batches):
+            sharded = shard_batch(mesh, tokens, targets)
+            t0 = time.perf_counter()
+            params, loss, grads = step(params, *sharded)
+            loss = float(local_value(loss))
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if i == 0:
+                g = local_value(grads)
+                diff_loss = abs(loss - ref_loss)
+                diff_grad = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads)))
+            _say(f"  [{transport}] step {i}: loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms{', includes compile' if i == 0 else ''})")
+        if ws is not None:
+            ws.close()
+        steady = times[1:] or times
+        report.append((transport, losses, diff_loss, diff_grad, float(np.median(steady))))
+
+    _say("")
+    _say(f"{'transport':<10} {'first loss':>10} {'last loss':>10} {'|dloss| vs ref':>15} {'max|dgrad| vs ref':>18} {'ms/step':>9}")
+    for transport, losses, dl, dg, t in report:
+        _say(f"{transport:<10} {losses[0]:>10.4f} {losses[-1]:>10.4f} {dl:>15.2e} {dg:>18.2e} {t * 1e3:>9.1f}")
+    _say(f"reference (unsharded, one device) first-step loss: {ref_loss:.4f}")
+    if shared_gpu:
+        _say("note: ranks time-slice one GPU; the times say nothing about NVLink speed.")
+    sys.stdout.flush()
+    if platform == "gpu-ranks":
+        os._exit(0)  # skip the distributed shutdown barrier
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

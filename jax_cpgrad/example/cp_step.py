@@ -1,0 +1,111 @@
+"""One context-parallel training step of the example model, inside ``jax.shard_map`` over "cp".
+
+Each rank holds its two sequence chunks (the load-balanced layout). The forward gathers K and V
+with ``jax_cpgrad.all_gather``; the backward returns dK/dV to their owners through its VJP,
+``grad_return`` (peer transport with a workspace, XLA transport without). Parameter gradients
+are per-rank partial sums reduced over the CP axis: with ``psum`` on the XLA transport, and on
+the peer transport with an NCCL-free all-reduce built from ``all_gather`` (so a step with a
+workspace uses no NCCL at all; it is also what lets N processes share one GPU, where NCCL
+refuses to run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_cpgrad as cpg
+
+from .model import Config, forward_loss
+
+
+def local_positions(rank, n: int, seq_len: int):
+    """Global positions of rank's local tokens: chunks rank and 2n-1-rank."""
+    c = seq_len // (2 * n)
+    first = rank * c + jnp.arange(c)
+    second = (2 * n - 1 - rank) * c + jnp.arange(c)
+    return jnp.concatenate([first, second])
+
+
+def _ordered_allreduce(vector, axis: str, workspace):
+    """Sum of a float32 vector over the axis, in rank order, through all_gather (no NCCL)."""
+    n = jax.lax.axis_size(axis)
+    length = vector.shape[0]
+    half = -(-length // 2)
+    padded = jnp.pad(vector, (0, 2 * half - length)).reshape(2, half)
+    everyone = cpg.all_gather(padded, axis_name=axis, seq_axis=0, workspace=workspace)  # [2n, half]
+    total = None
+    for r in range(n):
+        part = jnp.concatenate([everyone[r], everyone[2 * n - 1 - r]])
+        total = part if total is None else total + part
+    return total[:length]
+
+
+def param_grad_bytes(params) -> int:
+    """Workspace bytes the NCCL-free gradient all-reduce needs."""
+    flat, _ = ravel_pytree(params)
+    return 4 * (flat.size + 1 + 1)
+
+
+def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis: str = "cp"):
+    """jit-compiled step(params, tokens, targets) -> (new_params, mean_loss, grads).
+
+    ``tokens``/``targets`` are [batch, seq_len] in CP layout, sharded over ``axis`` on dim 1.
+    """
+    n = mesh.shape[axis]
+
+    def body(params, tokens, targets):
+        rank = jax.lax.axis_index(axis)
+        q_pos = local_positions(rank, n, cfg.seq_len)
+        all_pos = jnp.arange(cfg.seq_len)
+
+        def gather_kv(k, v):
+            k_all, v_all = cpg.all_gather((k, v), axis_name=axis, seq_axis=1, workspace=workspace)
+            return k_all, v_all, all_pos
+
+        loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, q_pos, gather_kv)
+        flat, unravel = ravel_pytree(grads)
+        packed = jnp.concatenate([flat, loss_sum[None].astype(jnp.float32)])
+        if workspace is None:
+            total = jax.lax.psum(packed, axis)
+        else:
+            total = _ordered_allreduce(packed, axis, workspace)
+        count = cfg.batch * cfg.seq_len
+        grads = jax.tree.map(lambda g: g / count, unravel(total[:-1]))
+        new_params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        return new_params, total[-1] / count, grads
+
+    # check_vma=False: parameters enter replicated and their gradients stay per-rank partial
+    # sums until the explicit reduction above (no implicit psum is inserted).
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, axis), P(None, axis)),
+                         out_specs=(P(), P(), P()), check_vma=False)
+    return jax.jit(step)
+
+
+def shard_batch(mesh, tokens: np.ndarray, targets: np.ndarray, axis: str = "cp"):
+    """Natural-order [batch, seq] arrays -> CP layout, sharded over the axis (any process count)."""
+    n = mesh.shape[axis]
+    sharding = NamedSharding(mesh, P(None, axis))
+    out = []
+    for a in (tokens, targets):
+        laid = np.asarray(cpg.to_cp_layout(a, n, seq_axis=1))
+        if jax.process_count() == 1:
+            out.append(jax.device_put(laid, sharding))
+        else:
+            out.append(jax.make_array_from_callback(laid.shape, sharding, lambda idx, laid=laid: laid[idx]))
+    return out
+
+
+def replicate(mesh, tree):
+    """Place every leaf, replicated, on every device of the mesh (any process count)."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        np.shape(x), sharding, lambda idx, x=np.asarray(x): x[idx]), tree)
+
+
+def local_value(tree):
+    """This process's copy of replicated outputs, as numpy."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

@@ -1,0 +1,41 @@
+"""The example script, the demo and the benchmark script run (small sizes, CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _run(args, timeout=300):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_example_training_script_runs_and_learns():
+    out = _run(["examples/train_cp_transformer.py", "--n", "4", "--seq-len", "128", "--steps", "12"])
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 12
+    assert min(losses[-3:]) < losses[0], losses
+
+
+def test_demo_runs_on_cpu_and_matches_the_reference():
+    out = _run(["-m", "jax_cpgrad.demo", "--cpu", "--seq-len", "256", "--steps", "3"])
+    assert "8 CPU devices; transports: xla" in out
+    row = next(line for line in out.splitlines() if line.startswith("xla "))
+    _, first, last, dloss, dgrad, ms = row.split()
+    assert float(dloss) < 1e-4 and float(dgrad) < 1e-5, row
+    assert float(ms) > 0
+
+
+def test_benchmark_script_smoke_on_cpu(tmp_path):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    out = _run(["benchmarks/grad_return.py", "--cpu", "--sizes", "64K", "--dtypes", "float32",
+                "--iters", "2", "--reps", "2", "--json", str(js), "--png", str(png)])
+    assert "xla" in out
+    data = json.loads(js.read_text())
+    assert data["n"] == 8 and data["rows"][0]["xla"]["median_s"] > 0
+    assert png.exists() and png.stat().st_size > 1000
