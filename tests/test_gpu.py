@@ -101,7 +101,8 @@ def test_two_workspaces_on_two_axes_stay_independent(gpu):
 
 def test_single_process_multi_gpu(gpu):
     """One process driving every visible GPU: raw peer pointers and peer access, no IPC."""
-    _need(GPUS >= 2, f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
+    if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
+        pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
     import subprocess
 
     proc = subprocess.run([sys.executable, WORKER, "correctness,race,wrap,errors"], capture_output=True,
