@@ -9,10 +9,10 @@
 
 #include "cp_layout.h"
 #include "cuda_check.h"
-#include "driver_api.h"
 #include "kernels.h"
 #include "peer_registry.h"
 #include "region_layout.h"
+#include "stream_protocol.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -120,44 +120,6 @@ std::string plan_call(OpKind op, const WorkspaceState& ws, const Member& m,
   return {};
 }
 
-// Publish epoch `e` to every peer, note arrival, wait for every peer, note passage: one call of
-// cuStreamBatchMemOp per 255 operations (the driver's limit), in array order.
-ffi::Error publish_and_wait(const WorkspaceState& ws, const Member& m, uint32_t e, cudaStream_t stream) {
-  constexpr unsigned kMaxOpsPerBatch = 255;
-  CUstreamBatchMemOpParams ops[2 * kMaxRanks + 2] = {};
-  unsigned count = 0;
-  auto write = [&](const volatile void* addr) {
-    CUstreamBatchMemOpParams& op = ops[count++];
-    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-    op.writeValue.address = reinterpret_cast<CUdeviceptr>(const_cast<const void*>(addr));
-    op.writeValue.value = e;
-    op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // fenced after the scatter's stores
-  };
-  for (int64_t o = 0; o < ws.n; ++o) {
-    if (o != m.rank) write(m.regions.region[o] + 4 * m.rank);
-  }
-  write(&static_cast<ProgressWords*>(m.progress_device)->reached);
-  for (int64_t w = 0; w < ws.n; ++w) {
-    if (w == m.rank) continue;
-    CUstreamBatchMemOpParams& op = ops[count++];
-    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-    op.waitValue.address = reinterpret_cast<CUdeviceptr>(m.own_region + 4 * w);
-    op.waitValue.value = e;
-    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;  // (int32)(flag - e) >= 0: wraps correctly
-  }
-  write(&static_cast<ProgressWords*>(m.progress_device)->passed);
-  const DriverApi& api = driver_api();
-  for (unsigned begin = 0; begin < count; begin += kMaxOpsPerBatch) {
-    const unsigned batch = std::min(kMaxOpsPerBatch, count - begin);
-    CUresult res = api.stream_batch_mem_op(reinterpret_cast<CUstream>(stream), batch, ops + begin, 0);
-    if (res != CUDA_SUCCESS) {
-      return ffi::Error::Internal("jax_cpgrad: cuStreamBatchMemOp failed with CUresult " +
-                                  std::to_string(static_cast<int>(res)));
-    }
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error launch_error(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_cpgrad: launching ") + what + " failed: " +
                               cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
@@ -196,7 +158,13 @@ ffi::Error CollectiveImpl(cudaStream_t stream, int32_t device, ffi::RemainingArg
                         : launch_scatter_local_copies(plan, in, m->regions, stream);
   if (err != cudaSuccess) return launch_error(err, "the scatter");
   if (ws->n > 1) {
-    if (ffi::Error status = publish_and_wait(*ws, *m, e, stream); status.failure()) return status;
+    const ProtocolSite site{ws->n, m->rank, &m->regions, m->own_region,
+                            &static_cast<ProgressWords*>(m->progress_device)->reached,
+                            &static_cast<ProgressWords*>(m->progress_device)->passed};
+    if (CUresult res = enqueue_publish_and_wait(site, e, stream); res != CUDA_SUCCESS) {
+      return ffi::Error::Internal("jax_cpgrad: cuStreamBatchMemOp failed with CUresult " +
+                                  std::to_string(static_cast<int>(res)));
+    }
   }
   err = kOp == OpKind::kGradReturn ? launch_accumulate(plan, in, out, m->own_region, stream)
                                    : launch_gather(plan, in, out, m->own_region, stream);

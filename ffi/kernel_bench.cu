@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -12,6 +13,7 @@
 #include "cuda_check.h"
 #include "kernels.h"
 #include "region_layout.h"
+#include "stream_protocol.h"
 
 namespace nb = nanobind;
 
@@ -149,12 +151,93 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
   return d;
 }
 
+// Fixed cost of one call for one rank, N writers emulated on this GPU with every wait already
+// satisfied: host time to enqueue, and GPU time per call, for the whole call and its parts.
+nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
+  CallPlan plan;
+  plan.n = n;
+  plan.tensors = 2;
+  plan.dtype = ElementType::kBF16;
+  plan.run = std::max<int64_t>(1, global_bytes / 2 / (2 * n));
+  plan.slot_bytes = round_up_slot_bytes(plan.tensors * plan.tensor_bytes());
+  std::vector<std::unique_ptr<DeviceBuffer>> regions, bufs;
+  RegionTable table{};
+  for (int64_t r = 0; r < n; ++r) {
+    regions.push_back(std::make_unique<DeviceBuffer>(region_bytes(n, plan.slot_bytes)));
+    table.region[r] = regions.back()->ptr;
+  }
+  // Our own flags already hold a later epoch than any we publish: every wait passes at once.
+  std::vector<uint32_t> page(kFlagsPageBytes / 4, static_cast<uint32_t>(iters) + 16);
+  CPG_CUDA_OR_THROW(cudaMemcpy(table.region[0], page.data(), kFlagsPageBytes, cudaMemcpyHostToDevice));
+  const void* in[2];
+  void* out[2];
+  for (int k = 0; k < 2; ++k) {
+    bufs.push_back(std::make_unique<DeviceBuffer>(plan.tensor_bytes() * n));
+    in[k] = bufs.back()->ptr;
+    bufs.push_back(std::make_unique<DeviceBuffer>(plan.tensor_bytes()));
+    out[k] = bufs.back()->ptr;
+  }
+  uint32_t* progress = nullptr;
+  CPG_CUDA_OR_THROW(cudaHostAlloc(reinterpret_cast<void**>(&progress), 8, cudaHostAllocMapped));
+  void* progress_dev = nullptr;
+  CPG_CUDA_OR_THROW(cudaHostGetDevicePointer(&progress_dev, progress, 0));
+  const ProtocolSite site{n, 0, &table, table.region[0], static_cast<uint32_t*>(progress_dev),
+                          static_cast<uint32_t*>(progress_dev) + 1};
+  cudaStream_t stream;
+  CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint32_t epoch = 0;
+  auto scatter = [&] { return launch_scatter_owner_chunks(plan, in, table, stream); };
+  auto memops = [&] {
+    return enqueue_publish_and_wait(site, ++epoch, stream) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+  };
+  auto accumulate = [&] { return launch_accumulate(plan, in, out, table.region[0], stream); };
+  auto measure = [&](const std::function<cudaError_t()>& fn) {
+    for (int i = 0; i < 5; ++i) CPG_CUDA_OR_THROW(fn());
+    CPG_CUDA_OR_THROW(cudaStreamSynchronize(stream));
+    cudaEvent_t start, stop;
+    CPG_CUDA_OR_THROW(cudaEventCreate(&start));
+    CPG_CUDA_OR_THROW(cudaEventCreate(&stop));
+    CPG_CUDA_OR_THROW(cudaEventRecord(start, stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) CPG_CUDA_OR_THROW(fn());
+    const auto t1 = std::chrono::steady_clock::now();
+    CPG_CUDA_OR_THROW(cudaEventRecord(stop, stream));
+    CPG_CUDA_OR_THROW(cudaEventSynchronize(stop));
+    float ms = 0;
+    CPG_CUDA_OR_THROW(cudaEventElapsedTime(&ms, start, stop));
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    nb::dict d;
+    d["host_us"] = std::chrono::duration<double, std::micro>(t1 - t0).count() / iters;
+    d["gpu_us"] = 1e3 * ms / iters;
+    return d;
+  };
+  nb::dict result;
+  result["n"] = n;
+  result["global_bytes_per_tensor"] = plan.tensor_bytes() * n;
+  result["stream_mem_ops_per_call"] = n > 1 ? 2 * (n - 1) + 2 : 0;
+  result["api_calls_per_call"] = n > 1 ? 3 : 2;  // scatter launch, one batch of memory ops, accumulate launch
+  result["call"] = measure([&] {
+    cudaError_t err = scatter();
+    if (err == cudaSuccess && n > 1) err = memops();
+    return err == cudaSuccess ? accumulate() : err;
+  });
+  result["scatter_launch"] = measure(scatter);
+  result["accumulate_launch"] = measure(accumulate);
+  if (n > 1) result["publish_and_wait"] = measure(memops);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(progress);
+  return result;
+}
+
 }  // namespace
 
 void bind_kernel_bench(nb::module_& m) {
   m.def("kernel_bench", &kernel_bench, nb::arg("n"), nb::arg("tensors"), nb::arg("global_bytes"),
         nb::arg("dtype"), nb::arg("iters") = 20, nb::arg("reps") = 7,
         "Time the transport's kernels for one rank, N writers emulated on this GPU.");
+  m.def("call_overhead_bench", &call_overhead_bench, nb::arg("n"), nb::arg("global_bytes") = 4096,
+        nb::arg("iters") = 2000, "Fixed per-call cost for one rank (host enqueue and GPU time).");
   m.def("copy_bench", &copy_bench, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters") = 20,
         nb::arg("reps") = 7, "Time a plain copy of `bytes` from GPU src to GPU dst.");
 }

@@ -24,8 +24,8 @@ const char* op_name(OpKind op);
 // Written by the GPU (stream memory ops into mapped pinned memory), read by the watchdog:
 // `reached` when the stream arrives at a call's wait, `passed` when all peers have arrived.
 struct ProgressWords {
-  volatile uint32_t reached;
-  volatile uint32_t passed;
+  uint32_t reached;  // read by the host through volatile loads (the GPU writes them)
+  uint32_t passed;
 };
 
 // One local device's part of a workspace.

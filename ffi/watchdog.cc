@@ -74,8 +74,8 @@ void poll_once(std::vector<Watch>& watches) {
   Registry::get().for_each([&](WorkspaceState& ws) {
     for (const auto& mp : ws.members) {
       const Member& m = *mp;
-      const uint32_t reached = m.progress->reached;
-      const uint32_t passed = m.progress->passed;
+      const uint32_t reached = *static_cast<volatile const uint32_t*>(&m.progress->reached);
+      const uint32_t passed = *static_cast<volatile const uint32_t*>(&m.progress->passed);
       if (reached == passed) continue;  // not inside a wait
       if (ws.failed.load()) {           // a wait issued around or after the failure
         release(ws, m);

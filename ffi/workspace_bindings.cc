@@ -175,7 +175,7 @@ class NativeWorkspace {
       }
       m->ipc_mapped.clear();
       if (m->own_region) cudaFree(m->own_region);
-      if (m->progress) cudaFreeHost(const_cast<ProgressWords*>(m->progress));
+      if (m->progress) cudaFreeHost(m->progress);
       if (m->watchdog_stream) cudaStreamDestroy(m->watchdog_stream);
       m->own_region = nullptr;
       m->progress = nullptr;

@@ -4,17 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The first interpreter that really runs and is >= 3.12 (pyenv shims may exist but not run).
 find_python() {
-  for candidate in python3.13 python3.12; do
-    command -v "$candidate" >/dev/null 2>&1 && { echo "$candidate"; return; }
+  local ok='import sys; sys.exit(sys.version_info < (3, 12))'
+  for candidate in python3.12 python3.13 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "$ok" >/dev/null 2>&1; then
+      echo "$candidate"; return
+    fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V -r); do
-      echo "env PYENV_VERSION=$v python3"; return
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V); do
+      if PYENV_VERSION=$v python3 -c "$ok" >/dev/null 2>&1; then
+        echo "env PYENV_VERSION=$v python3"; return
+      fi
     done
-  fi
-  if python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-    echo python3; return
   fi
   echo "jax_cpgrad needs Python >= 3.12 (jax 0.11+); none found" >&2
   exit 1
