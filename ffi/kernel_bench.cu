@@ -167,7 +167,7 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
     table.region[r] = regions.back()->ptr;
   }
   // Our own flags already hold a later epoch than any we publish: every wait passes at once.
-  std::vector<uint32_t> page(kFlagsPageBytes / 4, static_cast<uint32_t>(iters) + 16);
+  std::vector<uint32_t> page(kFlagsPageBytes / 4, 1u << 30);
   CPG_CUDA_OR_THROW(cudaMemcpy(table.region[0], page.data(), kFlagsPageBytes, cudaMemcpyHostToDevice));
   const void* in[2];
   void* out[2];

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cp_layout.h"
+#include "region_layout.h"
 #if JAX_CPGRAD_WITH_CUDA
 #include "workspace_bindings.h"
 #endif
@@ -72,6 +73,11 @@ NB_MODULE(_cpgrad_ext, m) {
         "Global chunks in CP-layout order (rank 0's two chunks, then rank 1's, ...).");
   m.def("geometry", &geometry, nb::arg("shape"), nb::arg("seq_axis"), nb::arg("n"), nb::arg("global_"),
         "(outer, run, chunk_len, global_len, local_len) of a shape; ValueError when it does not fit.");
+  m.def("region_bytes", [](int64_t n, int64_t nbytes) {
+    check_chunk_args(n);
+    if (nbytes < 1) throw std::invalid_argument("nbytes must be positive");
+    return region_bytes(n, round_up_slot_bytes(nbytes));
+  }, nb::arg("n"), nb::arg("nbytes"), "Device bytes a workspace of capacity nbytes holds on each GPU.");
 #if JAX_CPGRAD_WITH_CUDA
   m.attr("HAS_CUDA") = true;
   bind_workspace(m);

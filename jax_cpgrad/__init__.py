@@ -9,7 +9,7 @@ collectives.
 from ._native import HAS_CUDA
 from .api import all_gather, grad_return, grad_return_reference
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
-from .workspace import Workspace
+from .workspace import Workspace, workspace_bytes
 
 __all__ = [
     "HAS_CUDA",
@@ -21,5 +21,6 @@ __all__ = [
     "layout_order",
     "local_chunks",
     "to_cp_layout",
+    "workspace_bytes",
 ]
 __version__ = "0.1.0"

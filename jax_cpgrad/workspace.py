@@ -25,6 +25,13 @@ _creation_counter = itertools.count()
 _open_workspaces: "weakref.WeakSet[Workspace]" = weakref.WeakSet()
 
 
+def workspace_bytes(n: int, nbytes: int) -> int:
+    """Device memory a Workspace(nbytes=...) holds on each GPU of an N-way CP group: two sets
+    (double buffering) of N slots of ``nbytes``, plus 1 KiB of flags. One workspace serves every
+    layer and microbatch, so this does not grow with the model's depth."""
+    return int(ext.region_bytes(n, nbytes))
+
+
 def _default_timeout() -> float:
     return float(os.environ.get("JAX_CPGRAD_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 

@@ -61,3 +61,11 @@ def test_native_argument_checks():
         ext.geometry([4, 0], 1, 1, True)
     assert ext.geometry([2, 16, 3, 4], 1, 4, True) == (2, 24, 2, 16, 4)
     assert ext.geometry([2, 4, 3, 4], 1, 4, False) == (2, 24, 2, 16, 4)
+
+
+def test_workspace_bytes_is_double_buffered_slots_plus_flags():
+    # Two sets of N slots (rounded up to 256 bytes) and a 1 KiB flags page, whatever the depth.
+    assert cpg.workspace_bytes(4, 1000) == 1024 + 2 * 4 * 1024
+    assert cpg.workspace_bytes(8, 1 << 20) == 1024 + 16 * (1 << 20)
+    with pytest.raises(ValueError):
+        cpg.workspace_bytes(4, 0)
