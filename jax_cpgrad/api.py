@@ -79,36 +79,24 @@ def _all_gather_impl(xs, axis_name, seq, workspace):
     return all_gather_peer(xs, axis_name, seq, n, workspace)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _grad_return(xs, axis_name, seq, workspace):
-    return _grad_return_impl(xs, axis_name, seq, workspace)
+def _linear_pair(forward, transpose):
+    """A custom-VJP op whose cotangent map is `transpose` (the two ops are each other's transpose)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+    def op(xs, axis_name, seq, workspace):
+        return forward(xs, axis_name, seq, workspace)
+
+    def fwd(xs, axis_name, seq, workspace):
+        return forward(xs, axis_name, seq, workspace), None
+
+    def bwd(axis_name, seq, workspace, _, cts):
+        return (transpose(tuple(cts), axis_name, seq, workspace),)
+
+    op.defvjp(fwd, bwd)
+    return op
 
 
-def _grad_return_fwd(xs, axis_name, seq, workspace):
-    return _grad_return_impl(xs, axis_name, seq, workspace), None
-
-
-def _grad_return_bwd(axis_name, seq, workspace, _, cts):
-    return (_all_gather_impl(tuple(cts), axis_name, seq, workspace),)
-
-
-_grad_return.defvjp(_grad_return_fwd, _grad_return_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(xs, axis_name, seq, workspace):
-    return _all_gather_impl(xs, axis_name, seq, workspace)
-
-
-def _all_gather_fwd(xs, axis_name, seq, workspace):
-    return _all_gather_impl(xs, axis_name, seq, workspace), None
-
-
-def _all_gather_bwd(axis_name, seq, workspace, _, cts):
-    return (_grad_return_impl(tuple(cts), axis_name, seq, workspace),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+_grad_return = _linear_pair(_grad_return_impl, _all_gather_impl)
+_all_gather = _linear_pair(_all_gather_impl, _grad_return_impl)
 
 
 def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):

@@ -84,11 +84,13 @@ class Workspace:
         groups = _cp_groups(mesh, axis_name)
         me = jax.process_index()
         self._local = [d for d in mesh.devices.flat if d.process_index == me]
+        if _distributed.is_multiprocess():
+            self._agree_on_arguments(int(_initial_epoch))  # before anything is allocated
         self._native = ext.NativeWorkspace(
             self.name, n, self.nbytes, self.timeout_s, int(_initial_epoch) % 2**32,
             [(d.local_hardware_id, groups[d][0]) for d in self._local])
         try:
-            self._connect(groups, _initial_epoch)
+            self._connect(groups)
         except BaseException:
             self._native.release()
             raise
@@ -97,20 +99,22 @@ class Workspace:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _connect(self, groups, initial_epoch) -> None:
+    def _agree_on_arguments(self, initial_epoch: int) -> None:
+        config = [self.axis_name, self.n, self.nbytes, self.timeout_s, initial_epoch,
+                  [d.id for d in self.mesh.devices.flat]]
+        configs = _distributed.exchange(f"{self._key}/config", config, _SETUP_TIMEOUT_S)
+        if any(c != configs[0] for c in configs):
+            raise ValueError(
+                "jax_cpgrad.Workspace was created with different arguments on different processes "
+                "(axis, N, nbytes, timeout, initial epoch, mesh devices): " + "; ".join(
+                    f"process {p}: {c}" for p, c in enumerate(configs)))
+
+    def _connect(self, groups) -> None:
         local_index = {d: i for i, d in enumerate(self._local)}
         handles = self._native.ipc_handles()
         multi = _distributed.is_multiprocess()
         remote = {}
         if multi:
-            config = [self.axis_name, self.n, self.nbytes, self.timeout_s, int(initial_epoch),
-                      [d.id for d in self.mesh.devices.flat]]
-            configs = _distributed.exchange(f"{self._key}/config", config, _SETUP_TIMEOUT_S)
-            if any(c != configs[0] for c in configs):
-                raise ValueError(
-                    "jax_cpgrad.Workspace was created with different arguments on different processes "
-                    "(axis, N, nbytes, timeout, mesh devices): " + "; ".join(
-                        f"process {p}: {c}" for p, c in enumerate(configs)))
             mine = {str(d.id): [socket.gethostname(), ext.pci_bus_id(d.local_hardware_id), h.hex()]
                     for d, h in zip(self._local, handles)}
             for entries in _distributed.exchange(f"{self._key}/handles", mine, _SETUP_TIMEOUT_S):

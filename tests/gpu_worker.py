@@ -274,6 +274,16 @@ def independent(mesh, n):
     return {"ok": not failures, "failures": failures}
 
 
+def mismatch(mesh, n):
+    """Ranks that create a workspace with different arguments all get a ValueError, no hang."""
+    me = local_ranks(mesh)[0]
+    try:
+        cpg.Workspace(mesh, "cp", nbytes=4096 * (1 + me), name="mismatch")
+        return {"ok": False, "error": "no error raised"}
+    except ValueError as err:
+        return {"ok": "different arguments on different processes" in str(err), "error": str(err)[:500]}
+
+
 def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
     """Call 1 with everyone; before call 2 the last rank runs `straggler_action`; the others call."""
     shape, seq = (1, 8 * n, 2, 32), 1
@@ -342,7 +352,7 @@ def dead_peer(mesh, n):
 
 SCENARIOS = {"correctness": correctness, "race": race, "wrap": wrap, "errors": errors,
              "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
-             "soak": soak, "lifecycle": lifecycle, "independent": independent}
+             "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch}
 
 
 def main(names: list[str]) -> int:

@@ -68,3 +68,25 @@ def test_workspace_needs_gpus():
 def test_workspace_argument_checks(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cpg.Workspace(cp_mesh(2), **kwargs)
+
+
+def _workspace_stub(**state):
+    """A Workspace as far as trace-time checks see it (creating a real one needs GPUs)."""
+    ws = object.__new__(cpg.Workspace)
+    ws.__dict__.update(dict(_closed=False, axis_name="cp", n=2, nbytes=1 << 20, name="stub"), **state)
+    return ws
+
+
+@pytest.mark.parametrize("state,fn,match", [
+    (dict(_closed=True), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
+     "workspace 'stub' is closed"),
+    (dict(axis_name="sp"), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
+     "was created for axis 'sp'"),
+    (dict(n=4), lambda ws: lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1, workspace=ws),
+     "has 2 devices but workspace 'stub' was created for 4"),
+    (dict(nbytes=64), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
+     "moves 96 bytes per device .* holds 64"),
+])
+def test_workspace_mismatches_raise_before_tracing_the_call(state, fn, match):
+    with pytest.raises(ValueError, match=match):
+        _trace(2, fn(_workspace_stub(**state)), z(2, 2, 8, 3))

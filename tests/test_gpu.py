@@ -95,6 +95,10 @@ def test_soak_and_lifecycle(gpu):
     _assert_all_ok(_run(2, scenarios, timeout_s=900), 2, scenarios)
 
 
+def test_workspace_arguments_that_differ_between_processes_are_reported(gpu):
+    _assert_all_ok(_run(2, ["mismatch"], timeout_s=120), 2, ["mismatch"])
+
+
 def test_two_workspaces_on_two_axes_stay_independent(gpu):
     _assert_all_ok(_run(4, ["independent"], timeout_s=300), 4, ["independent"])
 
