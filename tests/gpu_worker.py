@@ -281,6 +281,9 @@ def mismatch(mesh, n):
         cpg.Workspace(mesh, "cp", nbytes=4096 * (1 + me), name="mismatch")
         return {"ok": False, "error": "no error raised"}
     except ValueError as err:
+        from jax_cpgrad import _distributed
+
+        _distributed.barrier("mismatch_reported", 60)  # rank 0 hosts the coordinator: wait for all
         return {"ok": "different arguments on different processes" in str(err), "error": str(err)[:500]}
 
 
