@@ -38,7 +38,7 @@ void release(const WorkspaceState& ws, const Member& m) {
   std::vector<uint32_t> flags(ws.n, m.epoch.load());
   cudaMemcpyAsync(m.own_region, flags.data(), 4 * flags.size(), cudaMemcpyHostToDevice,
                   m.watchdog_stream);
-  cudaStreamSynchronize(m.watchdog_stream);
+  cudaStreamSynchronize(m.watchdog_stream);  // watchdog thread, its own stream: never blocks a handler
 }
 
 // (No iostreams here: a locale-dependent stream in this thread crashed inside libstdc++.)
@@ -47,7 +47,7 @@ std::string describe_timeout(const WorkspaceState& ws, const Member& m, uint32_t
   std::vector<uint32_t> flags(ws.n, 0);
   cudaMemcpyAsync(flags.data(), m.own_region, 4 * flags.size(), cudaMemcpyDeviceToHost,
                   m.watchdog_stream);
-  cudaStreamSynchronize(m.watchdog_stream);
+  cudaStreamSynchronize(m.watchdog_stream);  // watchdog thread, its own stream: never blocks a handler
   std::string missing, last;
   for (int64_t w = 0; w < ws.n; ++w) {
     if (w == m.rank || static_cast<int32_t>(flags[w] - epoch) >= 0) continue;
