@@ -58,7 +58,8 @@ def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> in
     return seq
 
 
-def _local_nbytes(xs: tuple, seq: int, n: int, global_: bool) -> int:
+def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
+    """Bytes one call moves per device, counted in local shapes (what a workspace slot holds)."""
     per = xs[0].dtype.itemsize * int(np.prod(xs[0].shape))
     return len(xs) * (per // n if global_ else per)
 
@@ -117,7 +118,7 @@ def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
     n = _axis_size(axis_name, "grad_return")
     seq = _validate(xs, seq_axis, n, "grad_return", global_=True)
     if workspace is not None:
-        workspace.check_call(axis_name, n, _local_nbytes(xs, seq, n, True), "grad_return")
+        workspace.check_call(axis_name, n, _local_nbytes(xs, n, True), "grad_return")
     return rebuild(_grad_return(xs, axis_name, seq, workspace))
 
 
@@ -133,7 +134,7 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
     n = _axis_size(axis_name, "all_gather")
     seq = _validate(arrays, seq_axis, n, "all_gather", global_=False)
     if workspace is not None:
-        workspace.check_call(axis_name, n, _local_nbytes(arrays, seq, n, False), "all_gather")
+        workspace.check_call(axis_name, n, _local_nbytes(arrays, n, False), "all_gather")
     return rebuild(_all_gather(arrays, axis_name, seq, workspace))
 
 
