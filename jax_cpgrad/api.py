@@ -64,6 +64,16 @@ def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
     return len(xs) * (per // n if global_ else per)
 
 
+def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
+    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis)."""
+    xs, rebuild = _as_tuple(arrays, op)
+    n = _axis_size(axis_name, op)
+    seq = _validate(xs, seq_axis, n, op, global_=global_)
+    if workspace is not None:
+        workspace.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
+    return xs, rebuild, seq
+
+
 # The two transports behind one differentiable pair. `workspace` None means the XLA transport.
 
 def _grad_return_impl(xs, axis_name, seq, workspace):
@@ -114,11 +124,7 @@ def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
     equal to :func:`jax_cpgrad.grad_return_reference`. Without one it runs over XLA collectives
     (reorder + ``psum_scatter``). Differentiable: its VJP is :func:`all_gather`.
     """
-    xs, rebuild = _as_tuple(grads, "grad_return")
-    n = _axis_size(axis_name, "grad_return")
-    seq = _validate(xs, seq_axis, n, "grad_return", global_=True)
-    if workspace is not None:
-        workspace.check_call(axis_name, n, _local_nbytes(xs, n, True), "grad_return")
+    xs, rebuild, seq = _prepare(grads, axis_name, seq_axis, workspace, "grad_return", global_=True)
     return rebuild(_grad_return(xs, axis_name, seq, workspace))
 
 
@@ -130,11 +136,7 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
     and gets the whole sequence, length S, in natural order. Differentiable: its VJP is
     :func:`grad_return` on the same transport.
     """
-    arrays, rebuild = _as_tuple(xs, "all_gather")
-    n = _axis_size(axis_name, "all_gather")
-    seq = _validate(arrays, seq_axis, n, "all_gather", global_=False)
-    if workspace is not None:
-        workspace.check_call(axis_name, n, _local_nbytes(arrays, n, False), "all_gather")
+    arrays, rebuild, seq = _prepare(xs, axis_name, seq_axis, workspace, "all_gather", global_=False)
     return rebuild(_all_gather(arrays, axis_name, seq, workspace))
 
 
@@ -146,7 +148,5 @@ def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
     """
     from .xla_transport import grad_return_reference as reference
 
-    xs, rebuild = _as_tuple(grads, "grad_return_reference")
-    n = _axis_size(axis_name, "grad_return_reference")
-    seq = _validate(xs, seq_axis, n, "grad_return_reference", global_=True)
-    return rebuild(tuple(reference(x, axis_name, seq, n) for x in xs))
+    xs, rebuild, seq = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
+    return rebuild(tuple(reference(x, axis_name, seq, jax.lax.axis_size(axis_name)) for x in xs))

@@ -274,6 +274,16 @@ def independent(mesh, n):
     return {"ok": not failures, "failures": failures}
 
 
+def exit_open(mesh, n):
+    """Leave two workspaces open (one mid-use) and let the interpreter exit normally."""
+    shape, seq = (1, 8 * n, 2, 32), 1
+    base = _integer_data(n, shape, 18)
+    ws = cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, name="left-open")
+    cpg.Workspace(mesh, "cp", nbytes=4096, name="left-open-too")
+    checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=5, steps=1, seq=seq)
+    return {"ok": not bad, "checked_calls": checked}
+
+
 def mismatch(mesh, n):
     """Ranks that create a workspace with different arguments all get a ValueError, no hang."""
     me = local_ranks(mesh)[0]
@@ -355,7 +365,8 @@ def dead_peer(mesh, n):
 
 SCENARIOS = {"correctness": correctness, "race": race, "wrap": wrap, "errors": errors,
              "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
-             "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch}
+             "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch,
+             "exit_open": exit_open}
 
 
 def main(names: list[str]) -> int:
@@ -374,6 +385,8 @@ def main(names: list[str]) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         code |= 0 if result["ok"] else 1
     sys.stdout.flush()
+    if names == ["exit_open"]:
+        sys.exit(code)  # a normal interpreter exit, with the workspaces still open
     # Skip jax.distributed's shutdown barrier: a rank that finishes early must not wait on others.
     os._exit(code)
 

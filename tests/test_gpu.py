@@ -95,6 +95,16 @@ def test_soak_and_lifecycle(gpu):
     _assert_all_ok(_run(2, scenarios, timeout_s=900), 2, scenarios)
 
 
+def test_interpreter_exit_with_open_workspaces_is_clean(gpu):
+    """Every rank exits 0 through the normal interpreter exit, with no crash or leak report."""
+    out = launch.launch([sys.executable, WORKER, "exit_open"], 2, timeout_s=120, echo=False)
+    _assert_all_ok(_results(out), 2, ["exit_open"])
+    for r in out:
+        assert r.returncode == 0
+        for bad in ("leaked", "Segmentation", "terminate called", "Fatal Python error"):
+            assert bad not in r.output, r.output[-2000:]
+
+
 def test_workspace_arguments_that_differ_between_processes_are_reported(gpu):
     _assert_all_ok(_run(2, ["mismatch"], timeout_s=120), 2, ["mismatch"])
 
