@@ -35,8 +35,9 @@ def exchange(key: str, value, timeout_s: float) -> list:
             raw = client.blocking_key_value_get_bytes(f"{key}/{p}", timeout_ms)
         except Exception as err:  # the client raises its own error type on timeout
             raise RuntimeError(
-                f"jax_cpgrad: process {p} did not reach '{key}' within {timeout_s:.0f} s: do all "
-                "processes create the workspace, with the same arguments, in the same order?"
+                f"jax_cpgrad: process {p} did not reach '{key}' within {timeout_s:.0f} s: did it fail "
+                "(see its output, e.g. out of GPU memory), or do the processes not create the "
+                "workspace with the same arguments, in the same order?"
             ) from err
         out.append(json.loads(raw))
     return out
