@@ -62,3 +62,19 @@ def test_command_line_exit_codes(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise SystemExit(2)\n")
     assert launch.main(["-n", "2", "--devices", "none", str(bad)]) == 1
+
+
+def test_key_value_exchange_between_processes(tmp_path):
+    """The helper Workspace uses to swap IPC handles and agree on errors, on a CPU job."""
+    argv = _script(tmp_path, """
+        import jax
+        from jax_cpgrad import launch, _distributed
+        launch.initialize()
+        me = jax.process_index()
+        everyone = _distributed.exchange("test/exchange", {"rank": me, "handle": "ab" * me}, 60)
+        print("GOT", everyone)
+    """)
+    results = launch.launch(argv, 2, timeout_s=120, devices="none", echo=False)
+    want = "GOT [{'rank': 0, 'handle': ''}, {'rank': 1, 'handle': 'ab'}]"
+    for r in results:
+        assert want in r.output, r.output[-2000:]

@@ -54,3 +54,13 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
     assert peer.count("@jax_cpgrad_grad_return(") == cfg.layers
     xla = _cuda_text(make_train_step(cfg, mesh), params, *batch)
     assert XLA_COLLECTIVES.search(xla) and "@jax_cpgrad_" not in xla
+
+
+def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_back():
+    mesh, ws = cp_mesh(4, "cpu"), _workspace_stub(4)
+    # Per example [S=16, H=3] with seq_axis 0; vmapped over a leading batch of 5.
+    body = lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a)
+    text = _cuda_text(spmd_jit(mesh, body), place(mesh, np.zeros((4, 5, 16, 3), np.float32)))
+    call = next(line for line in text.splitlines() if "@jax_cpgrad_grad_return" in line)
+    assert "seq_axis_from_end = 2" in text
+    assert "(tensor<5x16x3xf32>) -> tensor<5x4x3xf32>" in call, call
