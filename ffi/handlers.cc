@@ -8,10 +8,8 @@
 #include <string>
 
 #include "cp_layout.h"
-#include "cuda_check.h"
 #include "kernels.h"
 #include "peer_registry.h"
-#include "region_layout.h"
 #include "stream_protocol.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -56,21 +54,22 @@ bool element_type_of(ffi::DataType dt, ElementType* out) {
 std::string plan_call(OpKind op, const WorkspaceState& ws, const Member& m,
                       const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                       const CallAttrs& attrs, CallPlan* plan, const void** in, void** out) {
-  const std::string who = std::string("jax_cpgrad_") + op_name(op) + ": ";
+  // The message prefix is built only when a check fails: nothing is allocated on the valid path.
+  const auto who = [op] { return std::string("jax_cpgrad_") + op_name(op) + ": "; };
   if (attrs.axis_size != ws.n) {
-    return who + "the mesh axis has " + std::to_string(attrs.axis_size) + " devices but workspace '" +
+    return who() + "the mesh axis has " + std::to_string(attrs.axis_size) + " devices but workspace '" +
            ws.name + "' was created for " + std::to_string(ws.n);
   }
   const size_t count = args.size();
   if (count == 0 || count > static_cast<size_t>(kMaxTensors) || rets.size() != count) {
-    return who + "expected 1 to " + std::to_string(kMaxTensors) +
+    return who() + "expected 1 to " + std::to_string(kMaxTensors) +
            " inputs and as many outputs, got " + std::to_string(count) + " inputs and " +
            std::to_string(rets.size()) + " outputs";
   }
   auto first = args.get<ffi::AnyBuffer>(0);
-  if (!first) return who + "input 0 is not a buffer";
+  if (!first) return who() + "input 0 is not a buffer";
   if (!element_type_of(first->element_type(), &plan->dtype)) {
-    return who + "dtype must be float32, bfloat16 or float16";
+    return who() + "dtype must be float32, bfloat16 or float16";
   }
   const auto dims = first->dimensions();
   const int64_t rank = static_cast<int64_t>(dims.size());
@@ -78,14 +77,14 @@ std::string plan_call(OpKind op, const WorkspaceState& ws, const Member& m,
   Geometry g;
   std::string err = compute_geometry(dims.begin(), rank, seq_axis, ws.n,
                                      op == OpKind::kGradReturn ? SeqExtent::kGlobal : SeqExtent::kLocal, &g);
-  if (!err.empty()) return who + "input 0 " + shape_text(dims) + ": " + err;
+  if (!err.empty()) return who() + "input 0 " + shape_text(dims) + ": " + err;
 
   for (size_t k = 0; k < count; ++k) {
     auto a = args.get<ffi::AnyBuffer>(k);
     auto r = rets.get<ffi::AnyBuffer>(k);
-    if (!a || !r) return who + "argument " + std::to_string(k) + " is not a buffer";
+    if (!a || !r) return who() + "argument " + std::to_string(k) + " is not a buffer";
     if (a->element_type() != first->element_type() || (*r)->element_type() != first->element_type()) {
-      return who + "input and output " + std::to_string(k) + " must have input 0's dtype";
+      return who() + "input and output " + std::to_string(k) + " must have input 0's dtype";
     }
     const auto adims = a->dimensions();
     const auto rdims = (*r)->dimensions();
@@ -97,7 +96,7 @@ std::string plan_call(OpKind op, const WorkspaceState& ws, const Member& m,
       same = adims[i] == dims[i] && rdims[i] == want;
     }
     if (!same) {
-      return who + "input " + std::to_string(k) + " " + shape_text(adims) + " / output " +
+      return who() + "input " + std::to_string(k) + " " + shape_text(adims) + " / output " +
              shape_text(rdims) + " do not match input 0 " + shape_text(dims) +
              " and the expected output shape";
     }
@@ -112,7 +111,7 @@ std::string plan_call(OpKind op, const WorkspaceState& ws, const Member& m,
   plan->slot_bytes = ws.slot_bytes;
   const int64_t needed = plan->tensors * plan->tensor_bytes();
   if (needed > ws.slot_bytes) {
-    return who + "this call needs " + std::to_string(needed) + " bytes per slot (" +
+    return who() + "this call needs " + std::to_string(needed) + " bytes per slot (" +
            std::to_string(count) + " tensors of " + std::to_string(plan->tensor_bytes()) +
            " local bytes) but workspace '" + ws.name + "' holds " + std::to_string(ws.slot_bytes) +
            ": create it with a larger nbytes";
