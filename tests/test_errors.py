@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpgrad as cpg
 from spmd import cp_mesh as _mesh, place
+from workspace_stub import workspace_stub
 
 cp_mesh = lambda n: _mesh(n, "cpu")
 
@@ -70,13 +71,6 @@ def test_workspace_argument_checks(kwargs, match):
         cpg.Workspace(cp_mesh(2), **kwargs)
 
 
-def _workspace_stub(**state):
-    """A Workspace as far as trace-time checks see it (creating a real one needs GPUs)."""
-    ws = object.__new__(cpg.Workspace)
-    ws.__dict__.update(dict(_closed=False, axis_name="cp", n=2, nbytes=1 << 20, name="stub"), **state)
-    return ws
-
-
 @pytest.mark.parametrize("state,fn,match", [
     (dict(_closed=True), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
      "workspace 'stub' is closed"),
@@ -89,4 +83,4 @@ def _workspace_stub(**state):
 ])
 def test_workspace_mismatches_raise_before_tracing_the_call(state, fn, match):
     with pytest.raises(ValueError, match=match):
-        _trace(2, fn(_workspace_stub(**state)), z(2, 2, 8, 3))
+        _trace(2, fn(workspace_stub(**state)), z(2, 2, 8, 3))

@@ -10,19 +10,9 @@ import jax_cpgrad as cpg
 from jax_cpgrad.example.cp_step import make_train_step, replicate, shard_batch
 from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 from spmd import cp_mesh, place, spmd_jit
+from workspace_stub import workspace_stub
 
 XLA_COLLECTIVES = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)")
-
-
-class _Native:
-    id = 7
-
-
-def _workspace_stub(n):
-    """A Workspace as tracing and lowering see it (creating a real one needs GPUs)."""
-    ws = object.__new__(cpg.Workspace)
-    ws.__dict__.update(dict(_closed=False, axis_name="cp", n=n, nbytes=1 << 24, name="stub", _native=_Native()))
-    return ws
 
 
 def _cuda_text(jitted, *args):
@@ -30,7 +20,7 @@ def _cuda_text(jitted, *args):
 
 
 def test_grad_return_lowers_to_one_custom_call_with_its_attributes():
-    mesh, ws = cp_mesh(4, "cpu"), _workspace_stub(4)
+    mesh, ws = cp_mesh(4, "cpu"), workspace_stub(4)
     f = spmd_jit(mesh, lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1, workspace=ws))
     x = place(mesh, np.zeros((4, 2, 16, 3), np.float32))
     text = _cuda_text(f, x, x)
@@ -47,7 +37,7 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
     mesh = cp_mesh(4, "cpu")
     params = replicate(mesh, init_params(cfg))
     batch = shard_batch(mesh, *synthetic_batch(cfg, seed=0))
-    peer = _cuda_text(make_train_step(cfg, mesh, workspace=_workspace_stub(4)), params, *batch)
+    peer = _cuda_text(make_train_step(cfg, mesh, workspace=workspace_stub(4)), params, *batch)
     assert not XLA_COLLECTIVES.search(peer), XLA_COLLECTIVES.search(peer)
     # Per layer: K/V gathered forward, dK/dV returned backward; plus the gradient all-reduce.
     assert peer.count("@jax_cpgrad_all_gather(") == cfg.layers + 1
@@ -57,7 +47,7 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
 
 
 def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_back():
-    mesh, ws = cp_mesh(4, "cpu"), _workspace_stub(4)
+    mesh, ws = cp_mesh(4, "cpu"), workspace_stub(4)
     # Per example [S=16, H=3] with seq_axis 0; vmapped over a leading batch of 5.
     body = lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a)
     text = _cuda_text(spmd_jit(mesh, body), place(mesh, np.zeros((4, 5, 16, 3), np.float32)))
