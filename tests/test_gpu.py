@@ -113,32 +113,26 @@ def test_two_workspaces_on_two_axes_stay_independent(gpu):
     _assert_all_ok(_run(4, ["independent"], timeout_s=300), 4, ["independent"])
 
 
+def _run_in_one_process(scenarios, timeout_s, **env):
+    """The worker as a single process over every GPU it sees; fails unless every scenario is ok."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True,
+                          timeout=timeout_s, env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env))
+    found = {json.loads(line[7:])["scenario"]: json.loads(line[7:])
+             for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    for scenario in scenarios:
+        assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert found[scenario]["ok"], json.dumps(found[scenario])[:3000]
+
+
 def test_single_process_multi_gpu(gpu):
     """One process driving every visible GPU: raw peer pointers and peer access, no IPC."""
     if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
         pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
-    import subprocess
-
-    proc = subprocess.run([sys.executable, WORKER, "correctness,race,wrap,errors"], capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-            found[res["scenario"]] = res
-    for scenario in ["correctness", "race", "wrap", "errors"]:
-        assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert found[scenario]["ok"], json.dumps(found[scenario])[:3000]
+    _run_in_one_process(["correctness", "race", "wrap", "errors"], timeout_s=900)
 
 
 def test_one_gpu_in_process_n1(gpu):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer."""
-    import subprocess
-
-    proc = subprocess.run([sys.executable, WORKER, "correctness,wrap,errors"], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                                                CUDA_VISIBLE_DEVICES="0"))
-    found = {json.loads(l[7:])["scenario"]: json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")}
-    for scenario in ["correctness", "wrap", "errors"]:
-        assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert found[scenario]["ok"], json.dumps(found[scenario])[:3000]
+    _run_in_one_process(["correctness", "wrap", "errors"], timeout_s=600, CUDA_VISIBLE_DEVICES="0")
