@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import jax_cpgrad as cpg
-from jax_cpgrad.example.cp_step import local_value, make_train_step, param_grad_bytes, replicate, shard_batch
+from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
 from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 
 
@@ -43,8 +43,7 @@ def main():
     params = init_params(cfg, seed=0)
     ws = None
     if opts.peer:
-        kv = 2 * cfg.batch * (cfg.seq_len // n) * cfg.heads * cfg.d_head * np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
-        ws = cpg.Workspace(mesh, "cp", nbytes=max(kv, param_grad_bytes(params)))
+        ws = cpg.Workspace(mesh, "cp", nbytes=workspace_nbytes(cfg, n, params))
     step = make_train_step(cfg, mesh, workspace=ws, lr=opts.lr)
     params = replicate(mesh, params)
     for i in range(opts.steps):

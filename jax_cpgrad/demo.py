@@ -88,7 +88,7 @@ def _run(opts, platform: str) -> int:
     from jax.sharding import Mesh
 
     import jax_cpgrad as cpg
-    from jax_cpgrad.example.cp_step import local_value, make_train_step, param_grad_bytes, replicate, shard_batch
+    from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
     from jax_cpgrad.example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
 
     devices = jax.devices()
@@ -119,8 +119,7 @@ def _run(opts, platform: str) -> int:
     for transport in transports:
         ws = None
         if transport == "peer":
-            kv_bytes = 2 * cfg.batch * (cfg.seq_len // n) * cfg.heads * cfg.d_head * np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
-            ws = cpg.Workspace(mesh, "cp", nbytes=max(kv_bytes, param_grad_bytes(params0)), name="demo")
+            ws = cpg.Workspace(mesh, "cp", nbytes=workspace_nbytes(cfg, n, params0), name="demo")
         step = make_train_step(cfg, mesh, workspace=ws)
         params = replicate(mesh, params0)
         losses, times = [], []

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import jax_cpgrad as cpg
-from jax_cpgrad.example.cp_step import make_train_step, replicate, shard_batch
+from jax_cpgrad.example.cp_step import make_train_step, replicate, shard_batch, workspace_nbytes
 from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 from spmd import cp_mesh, place, spmd_jit
 from workspace_stub import workspace_stub
@@ -37,7 +37,8 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
     mesh = cp_mesh(4, "cpu")
     params = replicate(mesh, init_params(cfg))
     batch = shard_batch(mesh, *synthetic_batch(cfg, seed=0))
-    peer = _cuda_text(make_train_step(cfg, mesh, workspace=workspace_stub(4)), params, *batch)
+    ws = workspace_stub(4, nbytes=workspace_nbytes(cfg, 4, init_params(cfg)))  # the capacity the demo asks for
+    peer = _cuda_text(make_train_step(cfg, mesh, workspace=ws), params, *batch)
     assert not XLA_COLLECTIVES.search(peer), XLA_COLLECTIVES.search(peer)
     # Per layer: K/V gathered forward, dK/dV returned backward; plus the gradient all-reduce.
     assert peer.count("@jax_cpgrad_all_gather(") == cfg.layers + 1

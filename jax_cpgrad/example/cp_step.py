@@ -44,10 +44,12 @@ def _ordered_allreduce(vector, axis: str, workspace):
     return total[:length]
 
 
-def param_grad_bytes(params) -> int:
-    """Workspace bytes the NCCL-free gradient all-reduce needs."""
+def workspace_nbytes(cfg: Config, n: int, params) -> int:
+    """Workspace capacity for one train step: the larger of one layer's local K and V (gathered
+    forward, returned backward) and the packed parameter gradients (the NCCL-free all-reduce)."""
+    kv = 2 * cfg.batch * (cfg.seq_len // n) * cfg.heads * cfg.d_head * jnp.dtype(cfg.dtype).itemsize
     flat, _ = ravel_pytree(params)
-    return 4 * (flat.size + 1 + 1)
+    return max(kv, 4 * (flat.size + 2))
 
 
 def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis: str = "cp"):
