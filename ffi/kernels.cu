@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels.h"
 #include "region_layout.h"
@@ -11,8 +12,12 @@ namespace jax_cpgrad {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCopyUnroll = 4;  // 16-byte vectors in flight per thread in a copy
-constexpr int kSumUnroll = 1;   // vectors per thread per writer in the accumulation (1 measured best on H200 at >= 256 MiB)
+constexpr int kCopyUnroll = 2;  // vectors in flight per thread in a copy (see copy_rows)
+// Vectors per thread per writer in the accumulation. With 4 (and packed loads, see
+// accumulate_rows) benchmarks/kernels.py on one H200 went from 77-84% to 88-93% of a device copy
+// at 64 MiB per tensor; benchmarks/sweeps/kernel_variants.cu has 1 ahead only for N=2 from
+// 128 MiB up, by 3-6 points.
+constexpr int kSumUnroll = 4;
 
 struct TensorPtrs {
   const char* in[kMaxTensors];
@@ -27,13 +32,15 @@ __device__ __forceinline__ bool call_failed(const char* own_region) {
 
 // ---------------------------------------------------------------------------------------------
 // Row maps: a copy moves `rows` rows of `row_bytes` each; a map gives each row's source and
-// destination.
+// destination, and `checked_region()` the region whose error word poisons the copy (none for
+// the scatters: they run before the wait, so nothing can have failed yet).
 
 struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer x 2 halves
   CallPlan plan;
   TensorPtrs t;
   RegionTable regions;
-  __device__ void operator()(int64_t row, const char** src, char** dst, bool*) const {
+  __device__ const char* checked_region() const { return nullptr; }
+  __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t h = row % 2;
     const int64_t b = (row / 2) % plan.outer;
     const int64_t k = (row / (2 * plan.outer)) % plan.tensors;
@@ -50,7 +57,8 @@ struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a w
   CallPlan plan;
   TensorPtrs t;
   RegionTable regions;
-  __device__ void operator()(int64_t row, const char** src, char** dst, bool*) const {
+  __device__ const char* checked_region() const { return nullptr; }
+  __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t k = row % plan.tensors;
     const int64_t p = row / plan.tensors;
     const int64_t owner = p < plan.self ? p : p + 1;
@@ -64,7 +72,8 @@ struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
   CallPlan plan;
   TensorPtrs t;
   const char* own_region;
-  __device__ void operator()(int64_t row, const char** src, char** dst, bool* failed) const {
+  __device__ const char* checked_region() const { return own_region; }
+  __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t j = row % (2 * plan.n);
     const int64_t b = (row / (2 * plan.n)) % plan.outer;
     const int64_t k = row / (2 * plan.n * plan.outer);
@@ -75,69 +84,61 @@ struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
                               : own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
                                     k * plan.tensor_bytes() + local_row;
     *dst = t.out[k] + row % (2 * plan.n * plan.outer) * rb;
-    *failed = call_failed(own_region);
   }
 };
 
-template <typename Vec, typename Map>
-__global__ void __launch_bounds__(kThreads) copy_rows(Map map, int64_t rows, int64_t vecs_per_row) {
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    const char* src_bytes;
-    char* dst_bytes;
-    bool failed = false;
-    map(row, &src_bytes, &dst_bytes, &failed);
-    const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
-    Vec* dst = reinterpret_cast<Vec*>(dst_bytes);
-    const int64_t stride = int64_t(gridDim.x) * kThreads * kCopyUnroll;
-    for (int64_t base = int64_t(blockIdx.x) * kThreads * kCopyUnroll + threadIdx.x;
-         base < vecs_per_row; base += stride) {
-      Vec v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < vecs_per_row) v[u] = src[i];
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < vecs_per_row) {
-          if (failed) memset(&v[u], 0xff, sizeof(Vec));  // all-ones: NaN in every float format
-          dst[i] = v[u];
-        }
-      }
-    }
+// The copies cut each row into tiles of kThreads * kCopyUnroll vectors and launch one block per
+// tile of every row, leaving the scheduling to the hardware. In benchmarks/kernels.py on one
+// H200, from 64 MiB per tensor up, that took the scatter from 85-91% to 94-97% of a device copy,
+// while the gather (same kernel, another map) went from 87-90% to 86-88%. The accumulation keeps
+// a one-wave grid-stride loop: one block per tile gave it 65-88% there (the per-block setup,
+// unamortised over a 16 KiB tile, is the likely cost). benchmarks/sweeps/kernel_variants.cu has
+// the sweep. The tile loop only comes round again when the tiles outnumber the largest grid.
+struct Tiling {
+  int64_t rows, units_per_row, tiles_per_row;
+};
+
+Tiling tiling(int64_t rows, int64_t units_per_row, int64_t tile_units) {
+  return {rows, units_per_row, (units_per_row + tile_units - 1) / tile_units};
+}
+
+unsigned blocks_for(const Tiling& g) {
+  return static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(1, g.rows * g.tiles_per_row), INT32_MAX));
+}
+
+// Calls tile_fn(row, first unit of this thread) for every tile this block owns.
+template <int64_t kTileUnits, typename TileFn>
+__device__ __forceinline__ void for_each_tile(const Tiling& g, TileFn tile_fn) {
+  for (int64_t tile = blockIdx.x; tile < g.rows * g.tiles_per_row; tile += gridDim.x) {
+    tile_fn(tile / g.tiles_per_row, tile % g.tiles_per_row * kTileUnits + threadIdx.x);
   }
 }
 
-// Multiprocessors of the first GPU asked (the GPUs of one CP group are alike).
-int64_t device_sm_count() {
-  static const int64_t sms = [] {
-    int device = 0, count = 132;
-    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return static_cast<int64_t>(count);
-  }();
-  return sms;
-}
-
-// Blocks of `Kernel` that fit on one multiprocessor at once (looked up once per kernel).
-template <auto Kernel>
-int64_t resident_blocks_per_sm() {
-  static const int64_t blocks = [] {
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
-    return static_cast<int64_t>(b);
-  }();
-  return blocks;
-}
-
-// One wave of `Kernel` over `rows` rows of `work_per_row` units, one block covering `per_block`
-// units of a row: no tail wave, and grid-stride loops do the rest.
-template <auto Kernel>
-dim3 grid_for(int64_t rows, int64_t work_per_row, int64_t per_block) {
-  const int64_t target = device_sm_count() * resident_blocks_per_sm<Kernel>();
-  const int64_t gx = std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
-  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
-  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+// The error word is read after the loads are issued, so its latency overlaps theirs.
+template <typename Vec, typename Map>
+__global__ void __launch_bounds__(kThreads) copy_rows(Map map, Tiling g) {
+  for_each_tile<int64_t(kThreads) * kCopyUnroll>(g, [&](int64_t row, int64_t base) {
+    const char* src_bytes;
+    char* dst_bytes;
+    map(row, &src_bytes, &dst_bytes);
+    const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
+    Vec* dst = reinterpret_cast<Vec*>(dst_bytes);
+    Vec v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * kThreads;
+      if (i < g.units_per_row) v[u] = src[i];
+    }
+    const bool failed = call_failed(map.checked_region());
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * kThreads;
+      if (i < g.units_per_row) {
+        if (failed) memset(&v[u], 0xff, sizeof(Vec));  // all-ones: NaN in every float format
+        dst[i] = v[u];
+      }
+    }
+  });
 }
 
 bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -147,14 +148,13 @@ template <typename Map>
 cudaError_t launch_copy(const Map& map, int64_t rows, int64_t row_bytes, bool all_aligned_16,
                         cudaStream_t stream) {
   if (rows == 0 || row_bytes == 0) return cudaSuccess;
+  constexpr int64_t kTile = int64_t(kThreads) * kCopyUnroll;
   if (all_aligned_16 && row_bytes % 16 == 0) {
-    const int64_t vecs = row_bytes / 16;
-    constexpr auto kernel = copy_rows<uint4, Map>;
-    kernel<<<grid_for<kernel>(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+    const Tiling g = tiling(rows, row_bytes / 16, kTile);
+    copy_rows<uint4, Map><<<blocks_for(g), kThreads, 0, stream>>>(map, g);
   } else {
-    const int64_t vecs = row_bytes / 2;  // every supported dtype is a multiple of 2 bytes
-    constexpr auto kernel = copy_rows<uint16_t, Map>;
-    kernel<<<grid_for<kernel>(rows, vecs, kThreads * kCopyUnroll), kThreads, 0, stream>>>(map, rows, vecs);
+    const Tiling g = tiling(rows, row_bytes / 2, kTile);  // every dtype is a multiple of 2 bytes
+    copy_rows<uint16_t, Map><<<blocks_for(g), kThreads, 0, stream>>>(map, g);
   }
   return cudaGetLastError();
 }
@@ -186,18 +186,17 @@ template <> struct Convert<__half> {
   __device__ static __half store(float x) { return __float2half_rn(x); }
 };
 
-template <typename T, int kElems>
-struct alignas(sizeof(T) * kElems) Pack {
-  T v[kElems];
-};
-
 // out row (k, b, h) = sum over writers w = 0..N-1, in that order, of writer w's run: our own
-// from the global input, the others from their slots. Loads of kWriterBatch writers are issued
-// before their adds, so each thread keeps kWriterBatch * kSumUnroll 16-byte loads in flight.
-template <typename T, int kElems>
+// from the global input, the others from their slots. `Word` is what one load moves (uint4 for
+// 16-byte vectors, T itself otherwise); loaded words stay packed and are unpacked one element at
+// a time as they are added (a struct of T elements made nvcc keep every bf16 in its own
+// register: 213 registers, one block per multiprocessor, 35% of a copy). Loads of kWriterBatch
+// writers are issued before their adds, so each thread keeps kWriterBatch * kSumUnroll loads in
+// flight.
+template <typename T, typename Word>
 __global__ void __launch_bounds__(kThreads)
-accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t packs_per_row) {
-  using P = Pack<T, kElems>;
+accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t words_per_row) {
+  constexpr int kElems = sizeof(Word) / sizeof(T);
   constexpr int kWriterBatch = 4;
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
@@ -209,31 +208,32 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t pac
     const char* own = t.in[k] + (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb;
     const char* slot0 = own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) +
                         k * plan.tensor_bytes() + (b * 2 + h) * rb;
-    P* out = reinterpret_cast<P*>(t.out[k] + (b * 2 + h) * rb);
+    Word* out = reinterpret_cast<Word*>(t.out[k] + (b * 2 + h) * rb);
     const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;
     for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
-         base < packs_per_row; base += stride) {
+         base < words_per_row; base += stride) {
       float acc[kSumUnroll][kElems];
       for (int64_t w0 = 0; w0 < plan.n; w0 += kWriterBatch) {
-        P p[kWriterBatch][kSumUnroll];
+        Word loaded[kWriterBatch][kSumUnroll];
 #pragma unroll
         for (int j = 0; j < kWriterBatch; ++j) {
           const int64_t w = w0 + j;
-          const P* src = reinterpret_cast<const P*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
+          const Word* src = reinterpret_cast<const Word*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
             const int64_t i = base + u * kThreads;
-            if (w < plan.n && i < packs_per_row) p[j][u] = src[i];
+            if (w < plan.n && i < words_per_row) loaded[j][u] = src[i];
           }
         }
 #pragma unroll
         for (int j = 0; j < kWriterBatch; ++j) {
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
+            const T* elems = reinterpret_cast<const T*>(&loaded[j][u]);
 #pragma unroll
             for (int e = 0; e < kElems; ++e) {
               if (w0 + j >= plan.n) continue;
-              const float x = Convert<T>::load(p[j][u].v[e]);
+              const float x = Convert<T>::load(elems[e]);
               acc[u][e] = w0 + j == 0 ? x : acc[u][e] + x;
             }
           }
@@ -242,15 +242,47 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t pac
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int64_t i = base + u * kThreads;
-        if (i >= packs_per_row) continue;
-        P p;
+        if (i >= words_per_row) continue;
+        Word result;
+        T* elems = reinterpret_cast<T*>(&result);
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) p.v[e] = Convert<T>::store(acc[u][e]);
-        if (failed) memset(&p, 0xff, sizeof(P));
-        out[i] = p;
+        for (int e = 0; e < kElems; ++e) elems[e] = Convert<T>::store(acc[u][e]);
+        if (failed) memset(&result, 0xff, sizeof(Word));
+        out[i] = result;
       }
     }
   }
+}
+
+// Multiprocessors of the first GPU asked (the GPUs of one CP group are alike).
+int64_t device_sm_count() {
+  static const int64_t sms = [] {
+    int device = 0, count = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return static_cast<int64_t>(count);
+  }();
+  return sms;
+}
+
+// Blocks of `Kernel` that fit on one multiprocessor at once (looked up once per kernel).
+template <auto Kernel>
+int64_t resident_blocks_per_sm() {
+  static const int64_t blocks = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
+    return static_cast<int64_t>(b);
+  }();
+  return blocks;
+}
+
+// One wave of `Kernel` over `rows` rows of `work_per_row` units, one block covering `per_block`
+// units of a row: no tail wave, and grid-stride loops do the rest.
+template <auto Kernel>
+dim3 one_wave_grid(int64_t rows, int64_t work_per_row, int64_t per_block) {
+  const int64_t target = device_sm_count() * resident_blocks_per_sm<Kernel>();
+  const int64_t gx = std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
+  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
 
 template <typename T>
@@ -258,15 +290,12 @@ cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, b
                                     const char* own_region, cudaStream_t stream) {
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
-  constexpr int kWide = 16 / sizeof(T);
   if (ok16 && rb % 16 == 0 && plan.slot_bytes % 16 == 0) {
-    const int64_t packs = rb / 16;
-    constexpr auto kernel = accumulate_rows<T, kWide>;
-    kernel<<<grid_for<kernel>(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, packs);
+    constexpr auto kernel = accumulate_rows<T, uint4>;
+    kernel<<<one_wave_grid<kernel>(rows, rb / 16, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, rb / 16);
   } else {
-    const int64_t packs = plan.run;
-    constexpr auto kernel = accumulate_rows<T, 1>;
-    kernel<<<grid_for<kernel>(rows, packs, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, packs);
+    constexpr auto kernel = accumulate_rows<T, T>;
+    kernel<<<one_wave_grid<kernel>(rows, plan.run, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, plan.run);
   }
   return cudaGetLastError();
 }
@@ -324,9 +353,9 @@ cudaError_t warm_kernels() {
            warm<copy_rows<uint4, OwnerChunksMap>>(), warm<copy_rows<uint16_t, OwnerChunksMap>>(),
            warm<copy_rows<uint4, LocalCopiesMap>>(), warm<copy_rows<uint16_t, LocalCopiesMap>>(),
            warm<copy_rows<uint4, GatherMap>>(), warm<copy_rows<uint16_t, GatherMap>>(),
-           warm<accumulate_rows<float, 4>>(), warm<accumulate_rows<float, 1>>(),
-           warm<accumulate_rows<__nv_bfloat16, 8>>(), warm<accumulate_rows<__nv_bfloat16, 1>>(),
-           warm<accumulate_rows<__half, 8>>(), warm<accumulate_rows<__half, 1>>()}) {
+           warm<accumulate_rows<float, uint4>>(), warm<accumulate_rows<float, float>>(),
+           warm<accumulate_rows<__nv_bfloat16, uint4>>(), warm<accumulate_rows<__nv_bfloat16, __nv_bfloat16>>(),
+           warm<accumulate_rows<__half, uint4>>(), warm<accumulate_rows<__half, __half>>()}) {
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
