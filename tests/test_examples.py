@@ -1,9 +1,11 @@
-"""The example script, the demo and the benchmark script run (small sizes, CPU)."""
+"""The example script, the demo and the benchmark scripts run (small sizes, CPU); the kernel sweep compiles."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -39,3 +41,23 @@ def test_benchmark_script_smoke_on_cpu(tmp_path):
     data = json.loads(js.read_text())
     assert data["n"] == 8 and data["rows"][0]["xla"]["median_s"] > 0
     assert png.exists() and png.stat().st_size > 1000
+
+
+def _find_nvcc():
+    for candidate in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        path = os.path.join(candidate, "bin", "nvcc")
+        if candidate and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def test_kernel_variant_sweep_compiles(tmp_path):
+    # The sweep is a standalone program (not built with the package); compiling it keeps it from
+    # rotting. Running it needs a GPU: see benchmarks/results/README.md.
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (CUDA_HOME or /usr/local/cuda)")
+    proc = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "--extended-lambda", "-c",
+                           os.path.join(ROOT, "benchmarks", "sweeps", "kernel_variants.cu"),
+                           "-o", str(tmp_path / "kv.o")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
