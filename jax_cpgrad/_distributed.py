@@ -21,13 +21,17 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def exchange(key: str, value, timeout_s: float) -> list:
-    """Publish this process's JSON-able ``value`` under ``key``; return every process's, in order."""
+def publish(key: str, value) -> None:
+    """Publish this process's JSON-able ``value`` under ``key``."""
     client = _client()
     if client is None:
         raise RuntimeError("jax.distributed is not initialized, but this is a multi-process run")
-    me = jax.process_index()
-    client.key_value_set_bytes(f"{key}/{me}", json.dumps(value).encode())
+    client.key_value_set_bytes(f"{key}/{jax.process_index()}", json.dumps(value).encode())
+
+
+def collect(key: str, timeout_s: float) -> list:
+    """Every process's value under ``key``, in process order (waiting up to ``timeout_s`` for each)."""
+    client = _client()
     timeout_ms = int(timeout_s * 1000)
     out = []
     for p in range(jax.process_count()):
@@ -36,11 +40,17 @@ def exchange(key: str, value, timeout_s: float) -> list:
         except Exception as err:  # the client raises its own error type on timeout
             raise RuntimeError(
                 f"jax_cpgrad: process {p} did not reach '{key}' within {timeout_s:.0f} s: did it fail "
-                "(see its output, e.g. out of GPU memory), or do the processes not create the "
-                "workspace with the same arguments, in the same order?"
+                "(see its output), or do the processes not create the workspace with the same "
+                "arguments, in the same order?"
             ) from err
         out.append(json.loads(raw))
     return out
+
+
+def exchange(key: str, value, timeout_s: float) -> list:
+    """Publish this process's ``value`` under ``key``; return every process's, in order."""
+    publish(key, value)
+    return collect(key, timeout_s)
 
 
 def barrier(name: str, timeout_s: float) -> None:

@@ -79,6 +79,7 @@ class Workspace:
         self.nbytes = int(nbytes)
         self.timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
         self._key = f"jax_cpgrad/ws{next(_creation_counter)}"
+        self._handles_key = f"{self._key}/handles"
         self.name = name or self._key
         self._closed = True
         groups = _cp_groups(mesh, axis_name)
@@ -86,9 +87,14 @@ class Workspace:
         self._local = [d for d in mesh.devices.flat if d.process_index == me]
         if _distributed.is_multiprocess():
             self._agree_on_arguments(int(_initial_epoch))  # before anything is allocated
-        self._native = ext.NativeWorkspace(
-            self.name, n, self.nbytes, self.timeout_s, int(_initial_epoch) % 2**32,
-            [(d.local_hardware_id, groups[d][0]) for d in self._local])
+        try:
+            self._native = ext.NativeWorkspace(
+                self.name, n, self.nbytes, self.timeout_s, int(_initial_epoch) % 2**32,
+                [(d.local_hardware_id, groups[d][0]) for d in self._local])
+        except Exception as err:
+            if _distributed.is_multiprocess():  # tell the peers now, instead of at their timeout
+                _distributed.publish(self._handles_key, {"error": f"{type(err).__name__}: {err}"})
+            raise
         try:
             self._connect(groups)
         except BaseException:
@@ -117,8 +123,12 @@ class Workspace:
         if multi:
             mine = {str(d.id): [socket.gethostname(), ext.pci_bus_id(d.local_hardware_id), h.hex()]
                     for d, h in zip(self._local, handles)}
-            for entries in _distributed.exchange(f"{self._key}/handles", mine, _SETUP_TIMEOUT_S):
-                remote.update({int(k): v for k, v in entries.items()})
+            for p, entries in enumerate(_distributed.exchange(self._handles_key, {"devices": mine},
+                                                              _SETUP_TIMEOUT_S)):
+                if "error" in entries:
+                    raise RuntimeError(f"jax_cpgrad: process {p} could not create its part of workspace "
+                                       f"{self.name!r}: {entries['error']}")
+                remote.update({int(k): v for k, v in entries["devices"].items()})
         problems, peers = [], []
         for d in self._local:
             rank, group = groups[d]

@@ -297,6 +297,41 @@ def mismatch(mesh, n):
         return {"ok": "different arguments on different processes" in str(err), "error": str(err)[:500]}
 
 
+def allocation_failure(mesh, n):
+    """The last process fails to allocate its workspace: every process raises at once, not at the
+    300 s setup timeout, and the others name the failing process and its error."""
+    import time
+
+    import jax
+    from jax_cpgrad import _distributed, workspace
+
+    failing = jax.process_count() - 1
+    real_ext = workspace.ext
+    class ExtWithoutMemory:  # the native module, except that allocating a workspace fails
+        def __getattr__(self, name):
+            return getattr(real_ext, name)
+
+        @staticmethod
+        def NativeWorkspace(*args):
+            raise RuntimeError("jax_cpgrad: out of GPU memory allocating the workspace (injected by the test)")
+
+    if jax.process_index() == failing:
+        workspace.ext = ExtWithoutMemory()
+    start = time.monotonic()
+    try:
+        cpg.Workspace(mesh, "cp", nbytes=4096, name="alloc-failure")
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        workspace.ext = real_ext
+    seconds = time.monotonic() - start
+    _distributed.barrier("allocation_failure_reported", 60)  # rank 0 hosts the coordinator: wait for all
+    expected = "injected by the test" if jax.process_index() == failing else f"process {failing} could not create"
+    ok = error is not None and expected in error and "injected by the test" in error and seconds < 60
+    return {"ok": ok, "error": (error or "no error raised")[:500], "seconds": round(seconds, 2)}
+
+
 def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
     """Call 1 with everyone; before call 2 the last rank runs `straggler_action`; the others call."""
     shape, seq = (1, 8 * n, 2, 32), 1
@@ -366,7 +401,7 @@ def dead_peer(mesh, n):
 SCENARIOS = {"correctness": correctness, "race": race, "wrap": wrap, "errors": errors,
              "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
              "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch,
-             "exit_open": exit_open}
+             "exit_open": exit_open, "allocation_failure": allocation_failure}
 
 
 def main(names: list[str]) -> int:

@@ -109,6 +109,10 @@ def test_workspace_arguments_that_differ_between_processes_are_reported(gpu):
     _assert_all_ok(_run(2, ["mismatch"], timeout_s=120), 2, ["mismatch"])
 
 
+def test_allocation_failure_on_one_process_fails_every_process_at_once(gpu):
+    _assert_all_ok(_run(2, ["allocation_failure"], timeout_s=120), 2, ["allocation_failure"])
+
+
 def test_two_workspaces_on_two_axes_stay_independent(gpu):
     _assert_all_ok(_run(4, ["independent"], timeout_s=300), 4, ["independent"])
 
