@@ -103,7 +103,7 @@ Tiling tiling(int64_t rows, int64_t units_per_row, int64_t tile_units) {
 }
 
 unsigned blocks_for(const Tiling& g) {
-  return static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(1, g.rows * g.tiles_per_row), INT32_MAX));
+  return static_cast<unsigned>(std::min<int64_t>(g.rows * g.tiles_per_row, INT32_MAX));  // callers skip empty copies
 }
 
 // Calls tile_fn(row, first unit of this thread) for every tile this block owns.

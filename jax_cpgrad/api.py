@@ -65,13 +65,13 @@ def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
 
 
 def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
-    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis)."""
+    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, N)."""
     xs, rebuild = _as_tuple(arrays, op)
     n = _axis_size(axis_name, op)
     seq = _validate(xs, seq_axis, n, op, global_=global_)
     if workspace is not None:
         workspace.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
-    return xs, rebuild, seq
+    return xs, rebuild, seq, n
 
 
 # The two transports behind one differentiable pair. `workspace` None means the XLA transport.
@@ -124,7 +124,7 @@ def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
     equal to :func:`jax_cpgrad.grad_return_reference`. Without one it runs over XLA collectives
     (reorder + ``psum_scatter``). Differentiable: its VJP is :func:`all_gather`.
     """
-    xs, rebuild, seq = _prepare(grads, axis_name, seq_axis, workspace, "grad_return", global_=True)
+    xs, rebuild, seq, _ = _prepare(grads, axis_name, seq_axis, workspace, "grad_return", global_=True)
     return rebuild(_grad_return(xs, axis_name, seq, workspace))
 
 
@@ -136,7 +136,7 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
     and gets the whole sequence, length S, in natural order. Differentiable: its VJP is
     :func:`grad_return` on the same transport.
     """
-    arrays, rebuild, seq = _prepare(xs, axis_name, seq_axis, workspace, "all_gather", global_=False)
+    arrays, rebuild, seq, _ = _prepare(xs, axis_name, seq_axis, workspace, "all_gather", global_=False)
     return rebuild(_all_gather(arrays, axis_name, seq, workspace))
 
 
@@ -148,5 +148,5 @@ def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
     """
     from .xla_transport import grad_return_reference as reference
 
-    xs, rebuild, seq = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
-    return rebuild(tuple(reference(x, axis_name, seq, jax.lax.axis_size(axis_name)) for x in xs))
+    xs, rebuild, seq, n = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
+    return rebuild(tuple(reference(x, axis_name, seq, n) for x in xs))
