@@ -7,6 +7,7 @@ collectives.
 """
 
 from ._native import HAS_CUDA
+from ._version import __version__ as __version__
 from .api import all_gather, grad_return, grad_return_reference
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
 from .workspace import Workspace, workspace_bytes
@@ -23,4 +24,3 @@ __all__ = [
     "to_cp_layout",
     "workspace_bytes",
 ]
-__version__ = "0.1.0"
