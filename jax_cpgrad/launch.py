@@ -2,10 +2,11 @@
 
     python -m jax_cpgrad.launch -n 4 [--timeout 600] [--devices auto|share|per-rank] script.py [args...]
 
-Each rank runs ``script.py`` with a local coordinator; the script calls
-``jax_cpgrad.launch.initialize()`` (instead of ``jax.distributed.initialize``). Output lines are
-prefixed with the rank. The first rank that fails stops the others, and so does the timeout:
-a protocol bug shows up as a hang, and a hang must never outlive the launcher.
+Each rank runs ``script.py`` with a local coordinator, whose service listens on the loopback
+address only; the script calls ``jax_cpgrad.launch.initialize()`` (instead of
+``jax.distributed.initialize``). Output lines are prefixed with the rank. The first rank that
+fails stops the others, and so does the timeout: a protocol bug shows up as a hang, and a hang
+must never outlive the launcher.
 
 With fewer GPUs than ranks (``--devices share``, chosen automatically), every rank uses GPU 0:
 the processes time-slice one GPU. That tests correctness of the multi-process peer transport
@@ -39,11 +40,15 @@ def initialize() -> None:
     if _ENV_COORDINATOR not in os.environ:
         raise RuntimeError("jax_cpgrad.launch.initialize() must run under `python -m jax_cpgrad.launch`")
     device = os.environ.get(_ENV_DEVICE)
+    coordinator = os.environ[_ENV_COORDINATOR]
     jax.distributed.initialize(
-        coordinator_address=os.environ[_ENV_COORDINATOR],
+        coordinator_address=coordinator,
         num_processes=int(os.environ[_ENV_NUM]),
         process_id=int(os.environ[_ENV_RANK]),
         local_device_ids=[int(device)] if device not in (None, "") else None,
+        # Rank 0's coordination service listens where the ranks connect, the launcher's loopback
+        # address, and nowhere else (JAX's default binds every interface: "[::]:port").
+        coordinator_bind_address=coordinator,
     )
 
 
@@ -100,8 +105,15 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
-def launch(argv: list[str], n: int, *, timeout_s: float = 600.0, devices: str = "auto",
-           env: dict | None = None, echo: bool = True) -> list[RankResult]:
+def launch(
+    argv: list[str],
+    n: int,
+    *,
+    timeout_s: float = 600.0,
+    devices: str = "auto",
+    env: dict | None = None,
+    echo: bool = True,
+) -> list[RankResult]:
     """Run ``argv`` as N ranks; return each rank's result, or raise LaunchError on failure/timeout."""
     if n < 1:
         raise ValueError("n must be >= 1")
@@ -109,19 +121,29 @@ def launch(argv: list[str], n: int, *, timeout_s: float = 600.0, devices: str = 
     if devices == "auto":
         devices = "none" if gpus == 0 else ("per-rank" if gpus >= n else "share")
     if devices == "share" and echo and n > 1:
-        print(f"[launch] {n} ranks share GPU 0 (time-sliced): timings say nothing about NVLink",
-              file=sys.stderr)
+        print(
+            f"[launch] {n} ranks share GPU 0 (time-sliced): timings say nothing about NVLink", file=sys.stderr
+        )
     coordinator = f"127.0.0.1:{_free_port()}"
     procs, outputs, readers = [], [], []
     for r in range(n):
         rank_env = dict(os.environ, **(env or {}))
-        rank_env.update({_ENV_COORDINATOR: coordinator, _ENV_NUM: str(n), _ENV_RANK: str(r),
-                         "PYTHONUNBUFFERED": "1"})
+        rank_env.update(
+            {_ENV_COORDINATOR: coordinator, _ENV_NUM: str(n), _ENV_RANK: str(r), "PYTHONUNBUFFERED": "1"}
+        )
         rank_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         rank_env.setdefault("NCCL_NVLS_ENABLE", "0")
         rank_env[_ENV_DEVICE] = {"share": "0", "per-rank": str(r)}.get(devices, "")
-        proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            argv,
+            env=rank_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
         procs.append(proc)
         lines: list[str] = []
         outputs.append(lines)
@@ -161,8 +183,9 @@ def launch(argv: list[str], n: int, *, timeout_s: float = 600.0, devices: str = 
             p.wait()
         for t in readers:
             t.join(timeout=5)
-    results = [RankResult(r, None if r in killed else p.returncode, "".join(outputs[r]))
-               for r, p in enumerate(procs)]
+    results = [
+        RankResult(r, None if r in killed else p.returncode, "".join(outputs[r])) for r, p in enumerate(procs)
+    ]
     if failure:
         raise LaunchError(f"jax_cpgrad.launch: {failure}", results)
     return results
@@ -172,8 +195,12 @@ def main(args: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_cpgrad.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is killed")
-    parser.add_argument("--devices", choices=["auto", "share", "per-rank", "none"], default="auto",
-                        help="GPU per rank: per-rank (GPU r), share (all on GPU 0), none (CPU)")
+    parser.add_argument(
+        "--devices",
+        choices=["auto", "share", "per-rank", "none"],
+        default="auto",
+        help="GPU per rank: per-rank (GPU r), share (all on GPU 0), none (CPU)",
+    )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     opts = parser.parse_args(args)
