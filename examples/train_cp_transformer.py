@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import jax_cpgrad as cpg
+from jax_cpgrad import launch
 from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
 from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 
@@ -30,7 +31,6 @@ def main():
     p.add_argument("--peer", action="store_true", help="peer transport (GPUs and a Workspace)")
     opts = p.parse_args()
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
-        from jax_cpgrad import launch
         launch.initialize()
     elif not opts.peer:
         jax.config.update("jax_platforms", "cpu")

@@ -11,15 +11,26 @@ model run unsharded, and the time per step of each transport.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from . import launch
+from ._native import HAS_CUDA
+from .example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
+from .example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
+from .workspace import Workspace
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jax_cpgrad.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=None, help="CP size (default: 8 on CPU, all GPUs, or 4 processes on one GPU)")
+    p.add_argument(
+        "--n", type=int, default=None, help="CP size (default: 8 on CPU, all GPUs, or 4 processes on one GPU)"
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--steps", type=int, default=5)
@@ -29,10 +40,8 @@ def _parse(argv):
 
 
 def _choose_platform(opts) -> str:
-    """'gpu-multi' (one process, several GPUs), 'gpu-shared' (relaunch as N processes), 'cpu'."""
-    from jax_cpgrad import launch
-    from jax_cpgrad._native import HAS_CUDA
-
+    """'gpu-ranks' (a rank of a launched job), 'gpu-multi' (one process, several GPUs),
+    'gpu-shared' (relaunch as N processes sharing the GPU), 'cpu'."""
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         return "gpu-ranks"
     gpus = 0 if opts.cpu or not HAS_CUDA else launch.visible_gpu_count()
@@ -44,23 +53,25 @@ def _choose_platform(opts) -> str:
 
 
 def _say(*args):
-    import jax
-
     if jax.process_index() == 0:
         print(*args, flush=True)
 
 
 def main(argv=None) -> int:
-    opts = _parse(argv if argv is not None else sys.argv[1:])
+    args = argv if argv is not None else sys.argv[1:]
+    opts = _parse(args)
     platform = _choose_platform(opts)
     if platform == "gpu-shared":
-        from jax_cpgrad import launch
-
         n = opts.n or 4
         print(f"One GPU: running {n} CP ranks as {n} processes sharing it (peer transport over CUDA IPC).")
         try:
-            results = launch.launch([sys.executable, "-m", "jax_cpgrad.demo", *(argv or sys.argv[1:])], n,
-                                    timeout_s=600, devices="share", echo=False)
+            results = launch.launch(
+                [sys.executable, "-m", "jax_cpgrad.demo", *args],
+                n,
+                timeout_s=600,
+                devices="share",
+                echo=False,
+            )
         except launch.LaunchError as err:
             for r in err.results:
                 print(f"--- rank {r.rank} (exit code {r.returncode}):\n{r.output[-3000:]}")
@@ -69,57 +80,50 @@ def main(argv=None) -> int:
         print(results[0].output, end="")
         return 0
 
-    import jax
-
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", 8)
-    else:
-        if platform == "gpu-ranks":
-            from jax_cpgrad import launch
-
-            launch.initialize()
+    elif platform == "gpu-ranks":
+        launch.initialize()
     return _run(opts, platform)
 
 
 def _run(opts, platform: str) -> int:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    import jax_cpgrad as cpg
-    from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
-    from jax_cpgrad.example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
-
     devices = jax.devices()
     n = min(opts.n or len(devices), len(devices))
     mesh = Mesh(np.array(devices[:n]), ("cp",))
     cfg = Config(seq_len=opts.seq_len, batch=opts.batch, dtype=opts.dtype)
-    from jax_cpgrad import launch
-
     shared_gpu = platform == "gpu-ranks" and launch.ranks_share_gpu()
     transports = []
     if platform != "cpu":
         transports.append("peer")
     if not shared_gpu:
         transports.append("xla")  # NCCL cannot run with several processes on one GPU
-    kind = {"cpu": f"{n} CPU devices", "gpu-multi": f"{n} GPUs in one process",
-            "gpu-ranks": f"{n} processes, one GPU each" if not shared_gpu else f"{n} processes sharing one GPU (time-sliced)"}[platform]
+    kind = {
+        "cpu": f"{n} CPU devices",
+        "gpu-multi": f"{n} GPUs in one process",
+        "gpu-ranks": f"{n} processes sharing one GPU (time-sliced)"
+        if shared_gpu
+        else f"{n} processes, one GPU each",
+    }[platform]
     _say(f"jax_cpgrad demo: {kind}; transports: {', '.join(transports)}")
-    _say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq_len}, "
-         f"batch {cfg.batch}, {cfg.dtype}")
+    _say(
+        f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq_len}, "
+        f"batch {cfg.batch}, {cfg.dtype}"
+    )
 
     params0 = init_params(cfg, seed=0)
     batches = [synthetic_batch(cfg, seed=i) for i in range(opts.steps)]
+    tokens0, targets0 = batches[0]
     with jax.default_device(jax.local_devices()[0]):
-        ref_loss, ref_grads = reference_loss_and_grads(params0, *batches[0], cfg)
+        ref_loss, ref_grads = reference_loss_and_grads(params0, tokens0, targets0, cfg)
     ref_loss, ref_grads = float(ref_loss), jax.tree.map(np.asarray, ref_grads)
 
     report = []
     for transport in transports:
         ws = None
         if transport == "peer":
-            ws = cpg.Workspace(mesh, "cp", nbytes=workspace_nbytes(cfg, n, params0), name="demo")
+            ws = Workspace(mesh, "cp", nbytes=workspace_nbytes(cfg, n, params0), name="demo")
         step = make_train_step(cfg, mesh, workspace=ws)
         params = replicate(mesh, params0)
         losses, times = [], []
@@ -134,17 +138,26 @@ def _run(opts, platform: str) -> int:
             if i == 0:
                 g = local_value(grads)
                 diff_loss = abs(loss - ref_loss)
-                diff_grad = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads)))
-            _say(f"  [{transport}] step {i}: loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms{', includes compile' if i == 0 else ''})")
+                diff_grad = max(
+                    float(np.max(np.abs(a - b)))
+                    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads), strict=True)
+                )
+            note = ", includes compile" if i == 0 else ""
+            _say(f"  [{transport}] step {i}: loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms{note})")
         if ws is not None:
             ws.close()
         steady = times[1:] or times
         report.append((transport, losses, diff_loss, diff_grad, float(np.median(steady))))
 
     _say("")
-    _say(f"{'transport':<10} {'first loss':>10} {'last loss':>10} {'|dloss| vs ref':>15} {'max|dgrad| vs ref':>18} {'ms/step':>9}")
+    _say(
+        f"{'transport':<10} {'first loss':>10} {'last loss':>10} "
+        f"{'|dloss| vs ref':>15} {'max|dgrad| vs ref':>18} {'ms/step':>9}"
+    )
     for transport, losses, dl, dg, t in report:
-        _say(f"{transport:<10} {losses[0]:>10.4f} {losses[-1]:>10.4f} {dl:>15.2e} {dg:>18.2e} {t * 1e3:>9.1f}")
+        _say(
+            f"{transport:<10} {losses[0]:>10.4f} {losses[-1]:>10.4f} {dl:>15.2e} {dg:>18.2e} {t * 1e3:>9.1f}"
+        )
     _say(f"reference (unsharded, one device) first-step loss: {ref_loss:.4f}")
     if shared_gpu:
         _say("note: ranks time-slice one GPU; the times say nothing about NVLink speed.")

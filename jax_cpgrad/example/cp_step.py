@@ -17,8 +17,8 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax_cpgrad as cpg
-
+from ..api import all_gather
+from ..layout import to_cp_layout
 from .model import Config, forward_loss
 
 
@@ -30,17 +30,19 @@ def local_positions(rank, n: int, seq_len: int):
     return jnp.concatenate([first, second])
 
 
-def _ordered_allreduce(vector, axis: str, workspace):
-    """Sum of a float32 vector over the axis, in rank order, through all_gather (no NCCL)."""
-    n = jax.lax.axis_size(axis)
+def _ordered_allreduce(vector, axis: str, n: int, workspace):
+    """Sum of a float32 vector over the axis (of size n), in rank order, through all_gather (no NCCL)."""
     length = vector.shape[0]
     half = -(-length // 2)
     padded = jnp.pad(vector, (0, 2 * half - length)).reshape(2, half)
-    everyone = cpg.all_gather(padded, axis_name=axis, seq_axis=0, workspace=workspace)  # [2n, half]
-    total = None
-    for r in range(n):
-        part = jnp.concatenate([everyone[r], everyone[2 * n - 1 - r]])
-        total = part if total is None else total + part
+    everyone = all_gather(padded, axis_name=axis, seq_axis=0, workspace=workspace)  # [2n, half]
+
+    def part(r):  # rank r's vector: its two chunks, r and 2n-1-r
+        return jnp.concatenate([everyone[r], everyone[2 * n - 1 - r]])
+
+    total = part(0)
+    for r in range(1, n):
+        total = total + part(r)
     return total[:length]
 
 
@@ -65,7 +67,7 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
         all_pos = jnp.arange(cfg.seq_len)
 
         def gather_kv(k, v):
-            k_all, v_all = cpg.all_gather((k, v), axis_name=axis, seq_axis=1, workspace=workspace)
+            k_all, v_all = all_gather((k, v), axis_name=axis, seq_axis=1, workspace=workspace)
             return k_all, v_all, all_pos
 
         loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, q_pos, gather_kv)
@@ -74,7 +76,7 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
         if workspace is None:
             total = jax.lax.psum(packed, axis)
         else:
-            total = _ordered_allreduce(packed, axis, workspace)
+            total = _ordered_allreduce(packed, axis, n, workspace)
         count = cfg.batch * cfg.seq_len
         grads = jax.tree.map(lambda g: g / count, unravel(total[:-1]))
         new_params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
@@ -82,8 +84,13 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
 
     # check_vma=False: parameters enter replicated and their gradients stay per-rank partial
     # sums until the explicit reduction above (no implicit psum is inserted).
-    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, axis), P(None, axis)),
-                         out_specs=(P(), P(), P()), check_vma=False)
+    step = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(None, axis), P(None, axis)),
+        out_specs=(P(), P(), P()),
+        check_vma=False,
+    )
     return jax.jit(step)
 
 
@@ -91,21 +98,25 @@ def shard_batch(mesh, tokens: np.ndarray, targets: np.ndarray, axis: str = "cp")
     """Natural-order [batch, seq] arrays -> CP layout, sharded over the axis (any process count)."""
     n = mesh.shape[axis]
     sharding = NamedSharding(mesh, P(None, axis))
-    out = []
-    for a in (tokens, targets):
-        laid = np.asarray(cpg.to_cp_layout(a, n, seq_axis=1))
+
+    def place(a):
+        laid = np.asarray(to_cp_layout(a, n, seq_axis=1))
         if jax.process_count() == 1:
-            out.append(jax.device_put(laid, sharding))
-        else:
-            out.append(jax.make_array_from_callback(laid.shape, sharding, lambda idx, laid=laid: laid[idx]))
-    return out
+            return jax.device_put(laid, sharding)
+        return jax.make_array_from_callback(laid.shape, sharding, lambda idx: laid[idx])
+
+    return [place(tokens), place(targets)]
 
 
 def replicate(mesh, tree):
     """Place every leaf, replicated, on every device of the mesh (any process count)."""
     sharding = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.make_array_from_callback(
-        np.shape(x), sharding, lambda idx, x=np.asarray(x): x[idx]), tree)
+
+    def place(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(place, tree)
 
 
 def local_value(tree):

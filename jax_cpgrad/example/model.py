@@ -32,17 +32,19 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
     hd = cfg.heads * cfg.d_head
     layer = lambda: {
         "norm1": jnp.ones((cfg.d_model,), jnp.float32),
-        "wq": normal(cfg.d_model, hd, scale=cfg.d_model ** -0.5),
-        "wk": normal(cfg.d_model, hd, scale=cfg.d_model ** -0.5),
-        "wv": normal(cfg.d_model, hd, scale=cfg.d_model ** -0.5),
-        "wo": normal(hd, cfg.d_model, scale=hd ** -0.5),
+        "wq": normal(cfg.d_model, hd, scale=cfg.d_model**-0.5),
+        "wk": normal(cfg.d_model, hd, scale=cfg.d_model**-0.5),
+        "wv": normal(cfg.d_model, hd, scale=cfg.d_model**-0.5),
+        "wo": normal(hd, cfg.d_model, scale=hd**-0.5),
         "norm2": jnp.ones((cfg.d_model,), jnp.float32),
-        "w1": normal(cfg.d_model, cfg.d_ff, scale=cfg.d_model ** -0.5),
-        "w2": normal(cfg.d_ff, cfg.d_model, scale=cfg.d_ff ** -0.5),
+        "w1": normal(cfg.d_model, cfg.d_ff, scale=cfg.d_model**-0.5),
+        "w2": normal(cfg.d_ff, cfg.d_model, scale=cfg.d_ff**-0.5),
     }
-    return {"embed": normal(cfg.vocab, cfg.d_model, scale=cfg.d_model ** -0.5),
-            "layers": [layer() for _ in range(cfg.layers)],
-            "norm_f": jnp.ones((cfg.d_model,), jnp.float32)}
+    return {
+        "embed": normal(cfg.vocab, cfg.d_model, scale=cfg.d_model**-0.5),
+        "layers": [layer() for _ in range(cfg.layers)],
+        "norm_f": jnp.ones((cfg.d_model,), jnp.float32),
+    }
 
 
 def synthetic_batch(cfg: Config, seed: int):
@@ -64,7 +66,8 @@ def attention(q, k, v, q_pos, k_pos):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     mask = k_pos[None, None, None, :] <= q_pos[None, None, :, None]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 def forward_loss(params, tokens, targets, cfg: Config, q_pos, gather_kv):
@@ -78,8 +81,7 @@ def forward_loss(params, tokens, targets, cfg: Config, q_pos, gather_kv):
     b, s, _ = x.shape
     for layer in params["layers"]:
         h = _rms_norm(x, layer["norm1"])
-        split = lambda w: (h @ w.astype(dt)).reshape(b, s, cfg.heads, cfg.d_head)
-        q, k, v = split(layer["wq"]), split(layer["wk"]), split(layer["wv"])
+        q, k, v = ((h @ layer[w].astype(dt)).reshape(b, s, cfg.heads, cfg.d_head) for w in ("wq", "wk", "wv"))
         k_all, v_all, k_pos = gather_kv(k, v)
         x = x + attention(q, k_all, v_all, q_pos, k_pos).reshape(b, s, -1) @ layer["wo"].astype(dt)
         h = _rms_norm(x, layer["norm2"])
@@ -96,4 +98,5 @@ def reference_loss_and_grads(params, tokens, targets, cfg: Config):
 
     def mean_loss(p):
         return forward_loss(p, tokens, targets, cfg, positions, identity) / tokens.size
+
     return jax.value_and_grad(mean_loss)(params)
