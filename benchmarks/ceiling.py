@@ -139,12 +139,7 @@ def copy_time(ordinal: int, nbytes: int, iters: int, reps: int, *, bench=None) -
         bench, why = load_bench()
         if bench is None:
             raise RuntimeError(f"no device copy timing: {why}")
-    copy = getattr(bench, "copy_bench", None)
-    if copy is None:  # the kernel benchmarks' copy, in the main module
-        from jax_cpgrad._native import ext
-
-        copy = ext.copy_bench
-    return _seconds(copy(int(ordinal), int(ordinal), max(int(nbytes), 256), iters, reps))
+    return _seconds(bench.copy_bench(int(ordinal), int(ordinal), max(int(nbytes), 256), iters, reps))
 
 
 def first_ordinal(ws) -> int:

@@ -13,7 +13,7 @@ import datetime
 import json
 import platform
 
-from jax_cpgrad._native import HAS_CUDA, ext
+from jax_cpgrad._native import bench_ext
 
 STEPS = [("scatter", "copy_scatter_size", "scatter_traffic"),
          ("accumulate", "copy_accumulate_size", "accumulate_traffic"),
@@ -21,7 +21,7 @@ STEPS = [("scatter", "copy_scatter_size", "scatter_traffic"),
 
 
 def measure(n: int, mib: int, dtype: str, tensors: int = 2, iters: int = 20, reps: int = 7) -> dict:
-    raw = ext.kernel_bench(n, tensors, mib << 20, dtype, iters, reps)
+    raw = bench_ext.kernel_bench(n, tensors, mib << 20, dtype, iters, reps)
     row = {"n": n, "mib_per_tensor": mib, "dtype": dtype, "tensors": tensors}
     for step, copy, traffic in STEPS:
         ours, ceiling = raw[step], raw[copy]
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
-    if not HAS_CUDA:
+    if bench_ext is None:
         raise SystemExit("benchmarks/kernels.py needs the CUDA build of jax_cpgrad and a GPU")
     rows = []
     print(f"{'N':>2} {'MiB/t':>6} {'dtype':>8} | {'scatter GB/s':>12} {'%copy':>6} | "

@@ -1,8 +1,9 @@
 """Fixed per-call cost of the peer transport for tiny messages, and its breakdown.
 
 One rank's call with N writers emulated on this GPU and every wait already satisfied, so what
-is left is what the host pays to enqueue it and what the GPU spends per call: the scatter launch,
-one cuStreamBatchMemOp with the 2(N-1)+2 stream memory operations, the accumulation launch.
+is left is what the host pays to enqueue it and what the GPU spends per call. Stream-memop
+protocol: the scatter launch, one cuStreamBatchMemOp with the 2(N-1)+2 stream memory
+operations, the accumulation launch. Device protocol: one fused kernel (`fused_call`).
 
     python benchmarks/overhead.py [--n 1 2 4 8] [--bytes 4096] [--json overhead.json]
 """
@@ -13,9 +14,9 @@ import argparse
 import datetime
 import json
 
-from jax_cpgrad._native import HAS_CUDA, ext
+from jax_cpgrad._native import bench_ext
 
-PARTS = ["call", "scatter_launch", "publish_and_wait", "accumulate_launch"]
+PARTS = ["call", "scatter_launch", "publish_and_wait", "accumulate_launch", "fused_call"]
 
 
 def main() -> None:
@@ -25,13 +26,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--json", default=None)
     opts = p.parse_args()
-    if not HAS_CUDA:
+    if bench_ext is None:
         raise SystemExit("benchmarks/overhead.py needs the CUDA build of jax_cpgrad and a GPU")
     rows = []
     print(f"{'N':>2} {'API calls':>9} {'mem ops':>7} | " + " | ".join(f"{part:>22}" for part in PARTS))
     print(f"{'':>2} {'':>9} {'':>7} | " + " | ".join(f"{'host us':>10} {'GPU us':>11}" for _ in PARTS))
     for n in opts.n:
-        r = ext.call_overhead_bench(n, opts.bytes, opts.iters)
+        r = bench_ext.call_overhead_bench(n, opts.bytes, opts.iters)
         rows.append(r)
         cells = []
         for part in PARTS:

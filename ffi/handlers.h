@@ -1,9 +1,23 @@
-// The XLA FFI handlers of the peer transport (registered from Python for platform CUDA).
+// The XLA FFI handlers (registered from Python for platform CUDA). Each target is a bundle of an
+// instantiate stage, which binds the executable to its workspace once (FFI state), and an execute
+// stage. Two protocols, two targets per op:
+//   jax_cpgrad_<op>         stream-memop protocol: host-chosen epochs, so side-effecting and
+//                           never recorded into a CUDA graph;
+//   jax_cpgrad_<op>_device  device protocol: one kernel, device-resident epochs, the same launch
+//                           every call, so command-buffer compatible (XLA records it into graphs).
 #pragma once
 
 #include "xla/ffi/api/api.h"
 
-// jax_cpgrad_grad_return: global dK/dV/... in, local (owner) sums out.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpgradGradReturn);
-// jax_cpgrad_all_gather: local K/V/... in, global (natural order) out.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpgradAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpgradGradReturnDevice);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpgradAllGatherDevice);
+
+namespace jax_cpgrad {
+// The FFI state type every target's instantiate stage creates (registered with
+// jax.ffi.register_ffi_type): its TypeId and TypeInfo.
+void* call_state_type_id();
+const void* call_state_type_info();
+}  // namespace jax_cpgrad

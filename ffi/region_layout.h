@@ -1,13 +1,19 @@
-// Layout of one CP rank's symmetric region (one cudaMalloc, shared with the peers):
+// The memory one CP rank shares with its peers: two allocations per device.
 //
-//   [flags page: int32 flag[kMaxRanks], int32 error word, padding]
-//   [set 0: slot 0 .. slot N-1][set 1: slot 0 .. slot N-1]
+//   header: [Control][flags: uint32 flag[tile * N + writer], kMaxTiles * N of them]
+//   slots:  [set 0: slot 0 .. slot N-1][set 1: slot 0 .. slot N-1]
 //
-// flag[w] is the last epoch writer w published to this rank. Slot w of a set holds what writer
-// w sent this rank: every tensor of the call one after another, each in the local layout
-// [outer, 2, run]. Calls alternate between the two sets by epoch parity (double buffering), so a
-// writer's call e+2 can only reuse set e%2 after it has passed call e+1's wait, and every rank
-// publishes e+1 only after it has finished reading set e%2: reuse is race-free by stream order.
+// flag[t * N + w] is the last epoch writer w published for tile t of this rank's slots (the
+// stream-memop protocol uses tile 0 only). Slot w of a set holds what writer w sent this rank:
+// every tensor of the call one after another, each in the local layout [outer, 2, run]. Calls
+// alternate between the two sets by epoch parity (double buffering): a writer's call e+2 reuses
+// set e%2 only after its call e+1 received every peer's contribution, and each peer sent those
+// after it had finished call e, reading set e%2, on its stream. So reuse is race-free by stream
+// order, without a round trip on the critical path.
+//
+// The header outlives the slots: a workspace frees its slots at close(), but an executable that
+// recorded the device protocol into a CUDA graph may replay it later; the replayed kernel reads
+// Control::state (kClosed), writes NaN outputs and touches nothing else.
 #pragma once
 
 #include <cstdint>
@@ -16,18 +22,41 @@
 
 namespace jax_cpgrad {
 
-inline constexpr int64_t kFlagsPageBytes = 1024;
-inline constexpr int64_t kErrorWordOffset = 4 * kMaxRanks;
-inline constexpr int64_t kSlotAlignment = 256;
-static_assert(kErrorWordOffset + 4 <= kFlagsPageBytes, "flags page too small");
+// Control::state values.
+inline constexpr uint32_t kStateOk = 0;
+inline constexpr uint32_t kStateFailed = 1;  // a call timed out: outputs NaN from then on
+inline constexpr uint32_t kStateClosed = 2;  // Workspace.close() ran: outputs NaN, no peer access
 
-CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set,
-                                           int64_t writer) {
-  return kFlagsPageBytes + (set * n + writer) * slot_bytes;
+// The most signal tiles one call is cut into (it bounds the flags' memory).
+inline constexpr int64_t kMaxTiles = 1024;
+
+struct Control {
+  uint32_t epoch;        // device protocol: the last epoch this device finished (kernels advance it)
+  uint32_t state;        // kStateOk / kStateFailed / kStateClosed
+  uint32_t blocks_done;  // device protocol: blocks of the running call that have finished
+  uint32_t failed_epoch;                // the epoch of the call that timed out
+  uint32_t missing[kMaxRanks / 32];     // writers a timed-out call never heard from (bit per rank)
+};
+
+inline constexpr int64_t kControlBytes = 256;
+static_assert(sizeof(Control) <= kControlBytes, "control block too large");
+inline constexpr int64_t kSlotAlignment = 256;
+
+CPG_HOST_DEVICE inline int64_t header_bytes(int64_t n) { return kControlBytes + 4 * kMaxTiles * n; }
+
+CPG_HOST_DEVICE inline uint32_t* flags_of(char* header) {
+  return reinterpret_cast<uint32_t*>(header + kControlBytes);
 }
 
+CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set, int64_t writer) {
+  return (set * n + writer) * slot_bytes;
+}
+
+inline int64_t slots_bytes(int64_t n, int64_t slot_bytes) { return 2 * n * slot_bytes; }
+
+// Device memory of one rank: what workspace_bytes() reports.
 inline int64_t region_bytes(int64_t n, int64_t slot_bytes) {
-  return kFlagsPageBytes + 2 * n * slot_bytes;
+  return header_bytes(n) + slots_bytes(n, slot_bytes);
 }
 
 inline int64_t round_up_slot_bytes(int64_t nbytes) {

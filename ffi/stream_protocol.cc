@@ -18,14 +18,14 @@ CUresult enqueue_publish_and_wait(const ProtocolSite& site, uint32_t epoch, cuda
     op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // fenced after the scatter's stores
   };
   for (int64_t o = 0; o < site.n; ++o) {
-    if (o != site.self) write(site.regions->region[o] + 4 * site.self);
+    if (o != site.self) write(flags_of(site.peers->header[o]) + site.self);
   }
   write(site.reached);
   for (int64_t w = 0; w < site.n; ++w) {
     if (w == site.self) continue;
     CUstreamBatchMemOpParams& op = ops[count++];
     op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-    op.waitValue.address = reinterpret_cast<CUdeviceptr>(site.own_region + 4 * w);
+    op.waitValue.address = reinterpret_cast<CUdeviceptr>(flags_of(site.peers->header[site.self]) + w);
     op.waitValue.value = epoch;
     op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;  // (int32)(flag - e) >= 0: wraps correctly
   }

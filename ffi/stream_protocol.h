@@ -1,23 +1,24 @@
-// The synchronisation of one call, as stream memory operations on the caller's stream: publish
-// epoch e to every peer's flag, note arrival, wait until every peer's flag is >= e (cyclic),
-// note passage. Plain pointers only, so the handler and the benchmarks enqueue the same thing.
+// The stream-memop protocol's synchronisation of one call, as stream memory operations on the
+// caller's stream: publish epoch e to every peer's flag (tile 0), note arrival, wait until every
+// peer's flag is >= e (cyclic), note passage. Plain pointers only, so the handler and the
+// benchmarks enqueue the same thing.
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "call_plan.h"
 
 namespace jax_cpgrad {
 
 struct ProtocolSite {
-  int64_t n = 1;                       // CP size
-  int64_t self = 0;                    // this rank
-  const RegionTable* regions = nullptr;  // every rank's region as mapped here
-  char* own_region = nullptr;          // regions->region[self]
-  uint32_t* reached = nullptr;         // device view of the progress words (mapped host memory)
-  uint32_t* passed = nullptr;
+  int64_t n = 1;                     // CP size
+  int64_t self = 0;                  // this rank
+  const PeerTable* peers = nullptr;  // every rank's memory as mapped here
+  uint32_t* reached = nullptr;       // device view of HostReport::reached (mapped host memory)
+  uint32_t* passed = nullptr;        // and of HostReport::passed
 };
 
 // Enqueues the 2(N-1)+2 operations in as few cuStreamBatchMemOp calls as the driver allows.

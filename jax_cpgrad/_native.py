@@ -1,4 +1,4 @@
-"""The compiled module, and the FFI targets it provides (registered once, at import)."""
+"""The compiled modules, and the FFI targets they provide (registered once, at import)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,33 @@ import jax
 
 from . import _cpgrad_ext as ext
 
-GRAD_RETURN_TARGET = "jax_cpgrad_grad_return"
-ALL_GATHER_TARGET = "jax_cpgrad_all_gather"
+try:  # the optional benchmark module (CUDA builds with JAX_CPGRAD_BENCHMARKS=ON)
+    from . import _cpgrad_bench as bench_ext  # type: ignore[attr-defined]
+except ImportError:
+    bench_ext = None
 
 HAS_CUDA: bool = bool(ext.HAS_CUDA)
 MAX_RANKS: int = int(ext.MAX_RANKS)
 MAX_TENSORS: int = int(ext.MAX_TENSORS)
+HAS_TEST_HOOKS: bool = HAS_CUDA and bool(ext.HAS_TEST_HOOKS)
+
+# Per op and protocol: (FFI target, whether the call has side effects). The stream-memop protocol
+# advances a host-side epoch at every call, so no call may be dropped or merged; the device
+# protocol keeps its epoch on the GPU, and every rank runs the same program, so XLA drops or
+# merges the same calls everywhere (and only calls without side effects enter CUDA graphs).
+TARGETS = {
+    ("grad_return", "memop"): ("jax_cpgrad_grad_return", True),
+    ("all_gather", "memop"): ("jax_cpgrad_all_gather", True),
+    ("grad_return", "device"): ("jax_cpgrad_grad_return_device", False),
+    ("all_gather", "device"): ("jax_cpgrad_all_gather_device", False),
+}
 
 if HAS_CUDA:
-    _capsules = ext.handlers()
-    jax.ffi.register_ffi_target(GRAD_RETURN_TARGET, _capsules["grad_return"], platform="CUDA")
-    jax.ffi.register_ffi_target(ALL_GATHER_TARGET, _capsules["all_gather"], platform="CUDA")
+    jax.ffi.register_ffi_type("jax_cpgrad_call_state", ext.state_type(), platform="CUDA")
+    _stages = ext.handlers()
+    for (_op, _protocol), (_target, _) in TARGETS.items():
+        _name = _op if _protocol == "memop" else f"{_op}_device"
+        jax.ffi.register_ffi_target(_target, _stages[_name], platform="CUDA")
 
 
 def require_cuda(what: str) -> None:

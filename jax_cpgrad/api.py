@@ -11,6 +11,7 @@ import numpy as np
 from ._native import MAX_TENSORS
 from .layout import chunk_geometry, normalize_seq_axis
 from .peer_transport import all_gather_peer, grad_return_peer
+from .spec import WorkspaceSpec
 from .xla_transport import all_gather_xla, grad_return_xla
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -64,43 +65,54 @@ def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
     return len(xs) * (per // n if global_ else per)
 
 
+def _spec_of(workspace, op: str) -> WorkspaceSpec | None:
+    """The workspace's description (None: the XLA transport); ValueError for a closed one."""
+    if workspace is None or isinstance(workspace, WorkspaceSpec):
+        return workspace
+    if workspace.closed:
+        raise ValueError(f"jax_cpgrad.{op}: workspace '{workspace.name}' is closed")
+    return workspace.spec
+
+
 def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
-    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, N)."""
+    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, N,
+    workspace spec or None)."""
     xs, rebuild = _as_tuple(arrays, op)
     n = _axis_size(axis_name, op)
     seq = _validate(xs, seq_axis, n, op, global_=global_)
-    if workspace is not None:
-        workspace.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
-    return xs, rebuild, seq, n
+    spec = _spec_of(workspace, op)
+    if spec is not None:
+        spec.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
+    return xs, rebuild, seq, n, spec
 
 
-# The two transports behind one differentiable pair. `workspace` None means the XLA transport.
+# The two transports behind one differentiable pair. `spec` None means the XLA transport.
 
-def _grad_return_impl(xs, axis_name, seq, workspace):
+def _grad_return_impl(xs, axis_name, seq, spec):
     n = jax.lax.axis_size(axis_name)
-    if workspace is None:
+    if spec is None:
         return tuple(grad_return_xla(x, axis_name, seq, n) for x in xs)
-    return grad_return_peer(xs, axis_name, seq, n, workspace)
+    return grad_return_peer(xs, seq, n, spec)
 
 
-def _all_gather_impl(xs, axis_name, seq, workspace):
+def _all_gather_impl(xs, axis_name, seq, spec):
     n = jax.lax.axis_size(axis_name)
-    if workspace is None:
+    if spec is None:
         return tuple(all_gather_xla(x, axis_name, seq, n) for x in xs)
-    return all_gather_peer(xs, axis_name, seq, n, workspace)
+    return all_gather_peer(xs, seq, n, spec)
 
 
 def _linear_pair(forward, transpose):
     """A custom-VJP op whose cotangent map is `transpose` (the two ops are each other's transpose)."""
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-    def op(xs, axis_name, seq, workspace):
-        return forward(xs, axis_name, seq, workspace)
+    def op(xs, axis_name, seq, spec):
+        return forward(xs, axis_name, seq, spec)
 
-    def fwd(xs, axis_name, seq, workspace):
-        return forward(xs, axis_name, seq, workspace), None
+    def fwd(xs, axis_name, seq, spec):
+        return forward(xs, axis_name, seq, spec), None
 
-    def bwd(axis_name, seq, workspace, _, cts):
-        return (transpose(tuple(cts), axis_name, seq, workspace),)
+    def bwd(axis_name, seq, spec, _, cts):
+        return (transpose(tuple(cts), axis_name, seq, spec),)
 
     op.defvjp(fwd, bwd)
     return op
@@ -124,8 +136,8 @@ def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
     equal to :func:`jax_cpgrad.grad_return_reference`. Without one it runs over XLA collectives
     (reorder + ``psum_scatter``). Differentiable: its VJP is :func:`all_gather`.
     """
-    xs, rebuild, seq, _ = _prepare(grads, axis_name, seq_axis, workspace, "grad_return", global_=True)
-    return rebuild(_grad_return(xs, axis_name, seq, workspace))
+    xs, rebuild, seq, _, spec = _prepare(grads, axis_name, seq_axis, workspace, "grad_return", global_=True)
+    return rebuild(_grad_return(xs, axis_name, seq, spec))
 
 
 def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
@@ -136,8 +148,8 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
     and gets the whole sequence, length S, in natural order. Differentiable: its VJP is
     :func:`grad_return` on the same transport.
     """
-    arrays, rebuild, seq, _ = _prepare(xs, axis_name, seq_axis, workspace, "all_gather", global_=False)
-    return rebuild(_all_gather(arrays, axis_name, seq, workspace))
+    arrays, rebuild, seq, _, spec = _prepare(xs, axis_name, seq_axis, workspace, "all_gather", global_=False)
+    return rebuild(_all_gather(arrays, axis_name, seq, spec))
 
 
 def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
@@ -148,5 +160,5 @@ def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
     """
     from .xla_transport import grad_return_reference as reference
 
-    xs, rebuild, seq, n = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
+    xs, rebuild, seq, n, _ = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
     return rebuild(tuple(reference(x, axis_name, seq, n) for x in xs))

@@ -30,7 +30,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "== building and installing jax_cpgrad (this compiles the native module)"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+# Test hooks on: this is the development and test build (a plain `pip install .` has none).
+JAX_CPGRAD_TEST_HOOKS=ON .venv/bin/python -m pip install -q -e ".[test,bench]"
 .venv/bin/python - <<'PY'
 import jax, jax_cpgrad
 print(f"== jax {jax.__version__}, jax_cpgrad {jax_cpgrad.__version__}, CUDA transport built: {jax_cpgrad.HAS_CUDA}")

@@ -3,8 +3,10 @@
     python -m jax_cpgrad.launch -n 4 tests/gpu_worker.py correctness,race,wrap,errors
     python tests/gpu_worker.py correctness          # one process, every visible GPU
 
-Prints one line per scenario: RESULT {"scenario": ..., "ok": bool, ...}. Every check compares
-against a numpy oracle computed in this process from seeded per-rank data.
+JAX_CPGRAD_TEST_PROTOCOL (auto, device, memop) picks the workspaces' protocol. Prints one line
+per scenario: RESULT {"scenario": ..., "ok": bool, "checks": {condition: bool}, ...}; ok is
+whether every named check held. Every check compares against a numpy oracle computed in this
+process from seeded per-rank data.
 """
 
 from __future__ import annotations
@@ -22,11 +24,25 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_cpgrad as cpg  # noqa: E402
-from jax_cpgrad import launch  # noqa: E402
+from jax_cpgrad import _testing, launch  # noqa: E402
 from oracle import DTYPES, all_gather_oracle, bits, grad_return_oracle, random_array  # noqa: E402
-from spmd import cp_mesh, local_ranks, spmd  # noqa: E402
+from spmd import cp_mesh, local_ranks, spmd, spmd_jit, place, per_rank_results  # noqa: E402
 
-LAYOUTS = {"BSHD": lambda n: ((2, 16 * n, 4, 64), 1), "SBHD": lambda n: ((16 * n, 2, 4, 64), 0)}
+PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
+# (shape, seq_axis) per layout, for CP size n. "odd": runs of 105 elements, not a multiple of 16
+# bytes (the narrow kernels); "tiles": a call cut into ~75 tiles whose edges fall inside rows.
+LAYOUTS = {"BSHD": lambda n: ((2, 16 * n, 4, 64), 1), "SBHD": lambda n: ((16 * n, 2, 4, 64), 0),
+           "odd": lambda n: ((3, 14 * n, 5, 3), 1), "tiles": lambda n: ((2, 200 * n, 6, 64), 1)}
+
+
+def workspace(mesh, nbytes, **kwargs):
+    return cpg.Workspace(mesh, "cp", nbytes=nbytes, protocol=PROTOCOL, **kwargs)
+
+
+def result(checks: dict, **info) -> dict:
+    """A scenario's result: ok only when every named check holds, each reported by name."""
+    checks = {name: bool(v) for name, v in checks.items()}
+    return {"ok": all(checks.values()), "checks": checks, **info}
 
 
 def _equal_bits(got: dict, want: list, what: str, failures: list) -> None:
@@ -39,7 +55,7 @@ def _equal_bits(got: dict, want: list, what: str, failures: list) -> None:
 def correctness(mesh, n):
     """grad_return / all_gather / grad / vmap with the workspace, bitwise against the oracle."""
     failures = []
-    with cpg.Workspace(mesh, "cp", nbytes=1 << 20, name="correctness") as ws:
+    with workspace(mesh, 4 << 20, name="correctness") as ws:
         for dtype in DTYPES:
             for layout, make in LAYOUTS.items():
                 shape, seq = make(n)
@@ -75,7 +91,8 @@ def correctness(mesh, n):
         out = spmd(mesh, lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a))(dk)
         _equal_bits(out, grad_return_oracle(list(dk), n, seq), "vmap grad_return", failures)
         status = ws.status()
-    return {"ok": not failures, "failures": failures[:20], "epochs": status["epochs"]}
+    return result({"bitwise_equal_to_oracle": not failures}, failures=failures[:20], epochs=status["epochs"],
+                  protocol=ws.protocol)
 
 
 def _integer_data(n, shape, seed):
@@ -109,32 +126,103 @@ def _run_calls(mesh, n, ws, base, calls_per_step, steps, seq):
     return checked, bad_calls
 
 
-def race(mesh, n):
-    """>= 1,000 back-to-back calls on one workspace, data changing every call, all checked."""
+def _race(mesh, n, protected: bool):
     shape, seq = (1, 2048 * n, 2, 128), 1  # 1 MiB of float32 per rank's local shard
     base = _integer_data(n, shape, 11)
     local = base[0].nbytes // n
-    with cpg.Workspace(mesh, "cp", nbytes=local, name="race") as ws:
+    with workspace(mesh, local, name="race") as ws:
+        if not protected:
+            _testing.remove_war_protection(ws)
         t0 = time.time()
         checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=50, steps=21, seq=seq)
         elapsed = time.time() - t0
         epochs = ws.status()["epochs"]
-    return {"ok": not bad and checked >= 1000, "checked_calls": checked, "bad_calls": len(bad),
-            "first_bad": bad[:5], "seconds": round(elapsed, 2), "epochs": epochs,
-            "unsafe_single_buffer": os.environ.get("JAX_CPGRAD_UNSAFE_SINGLE_BUFFER") == "1"}
+    return checked, bad, dict(checked_calls=checked, bad_calls=len(bad), first_bad=bad[:5],
+                              seconds=round(elapsed, 2), epochs=epochs, protocol=ws.protocol)
+
+
+def race(mesh, n):
+    """>= 1,000 back-to-back calls on one workspace, data changing every call, all checked."""
+    checked, bad, info = _race(mesh, n, protected=True)
+    return result({"at_least_1000_calls": checked >= 1000, "every_call_right": not bad}, **info)
+
+
+def race_unprotected(mesh, n):
+    """The negative control: the same race test with the write-after-read protection removed
+    (a test build's hook) must go wrong, or the race test proves nothing."""
+    checked, bad, info = _race(mesh, n, protected=False)
+    return result({"at_least_1000_calls": checked >= 1000, "some_calls_wrong_without_protection": bad}, **info)
+
+
+def graphs(mesh, n):
+    """Calls recorded into XLA's command buffers (CUDA graphs) and replayed: 8 calls straight-line
+    in one jit (XLA captures runs of >= 5 commands), 150 steps with data changing every step, all
+    checked; then the compiled function called again after close(): an error or NaN, never a
+    wrong number or a hang. With XLA_FLAGS=--xla_dump_to=DIR, whether XLA captured the calls."""
+    shape, seq = (1, 256 * n, 2, 128), 1
+    base = _integer_data(n, shape, 19)
+    want = grad_return_oracle(list(base), n, seq)
+    calls, steps = 8, 150
+
+    def cpgrad_graph_probe(x, offset):
+        outs, y = [], x
+        for c in range(calls):
+            out = cpg.grad_return(y + (offset + c), axis_name="cp", seq_axis=seq, workspace=ws)
+            outs.append(out)
+            _, y = jax.lax.optimization_barrier((out, x))  # call c+1 after call c, same input
+        return jnp.stack(outs)
+
+    ws = workspace(mesh, base[0].nbytes // n, name="graphs")
+    f = spmd_jit(mesh, cpgrad_graph_probe)
+    x = place(mesh, base)
+    bad = 0
+    for step in range(steps):
+        offsets = place(mesh, np.full((n,), step * calls, np.float32))
+        for r, stacked in per_rank_results(mesh, f(x, offsets)).items():
+            for c in range(calls):
+                bad += not np.array_equal(stacked[c], want[r] + n * (step * calls + c))
+    ws.close()
+    try:
+        after = per_rank_results(mesh, f(x, place(mesh, np.zeros((n,), np.float32))))
+        after_close = "nan" if all(np.isnan(v).all() for v in after.values()) else "numbers"
+    except Exception as err:
+        after_close = "error" if "is closed" in str(err) else f"unexpected error: {str(err)[:300]}"
+    dump = _command_buffer_dump("cpgrad_graph_probe")
+    checks = {"every_call_right": bad == 0, "after_close_error_or_nan": after_close in ("error", "nan")}
+    if dump is not None:
+        checks["xla_captured_the_calls"] = dump["captured"]
+    return result(checks, checked_calls=steps * calls * len(local_ranks(mesh)), bad_calls=bad,
+                  after_close=after_close, dump=dump, protocol=ws.protocol)
+
+
+def _command_buffer_dump(module_part: str):
+    """From XLA's dump (--xla_dump_to): does the module's thunk sequence after XLA's thunk passes
+    hold a command buffer (kCommandBuffer) with our custom calls inside? None without a dump."""
+    import glob
+    import re
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    match = re.search(r"--xla_dump_to=(\S+)", flags)
+    if not match:
+        return None
+    files = sorted(glob.glob(os.path.join(match.group(1), f"*{module_part}*thunk*")))
+    after = [f for f in files if "after" in os.path.basename(f)]
+    text = "".join(open(f).read() for f in after)
+    return {"files": [os.path.basename(f) for f in files][:6], "captured": "kCommandBuffer" in text,
+            "head": text[:600]}
 
 
 def wrap(mesh, n):
     """The 32-bit epoch passes 2^32: start 25 calls before it and run 60."""
     shape, seq = (1, 8 * n, 2, 32), 1
     base = _integer_data(n, shape, 12)
-    with cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, name="wrap",
-                       _initial_epoch=2**32 - 25) as ws:
+    with workspace(mesh, base[0].nbytes // n, name="wrap") as ws:
+        _testing.set_epoch(ws, 2**32 - 25)
         checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=20, steps=3, seq=seq)
         epochs = ws.status()["epochs"]
-    wrapped = all(e < 1000 for _, _, e in epochs)
-    return {"ok": not bad and wrapped and checked == 60 * len(local_ranks(mesh)),
-            "checked_calls": checked, "bad_calls": len(bad), "epochs_after": epochs}
+    return result({"every_call_right": not bad, "all_calls_ran": checked == 60 * len(local_ranks(mesh)),
+                   "epochs_wrapped_past_2**32": all(e < 1000 for _, _, e in epochs)},
+                  checked_calls=checked, bad_calls=len(bad), epochs_after=epochs)
 
 
 def errors(mesh, n):
@@ -145,11 +233,11 @@ def errors(mesh, n):
     shape, seq = (1, 8 * n, 2, 32), 1
     base = _integer_data(n, shape, 13)
     small = base[0].nbytes // n
-    ws = cpg.Workspace(mesh, "cp", nbytes=small, name="errors")
+    ws = workspace(mesh, small, name="errors")
     # Too large for the workspace, sent straight to the handler (Python's check bypassed).
     big = np.concatenate([base, base], axis=2)
     try:
-        spmd(mesh, lambda a: grad_return_peer((a,), "cp", seq, n, ws)[0])(big)
+        spmd(mesh, lambda a: grad_return_peer((a,), seq, n, ws.spec)[0])(big)
         failures.append("oversized call was not rejected")
     except Exception as err:  # JaxRuntimeError
         if "INVALID_ARGUMENT" not in str(err) or "holds" not in str(err):
@@ -177,7 +265,7 @@ def errors(mesh, n):
     except ValueError as err:
         if "is closed" not in str(err):
             failures.append(f"closed workspace at trace time: {err}")
-    return {"ok": not failures, "failures": failures}
+    return result({"handler_errors_as_expected": not failures}, failures=failures)
 
 
 def soak(mesh, n):
@@ -188,7 +276,7 @@ def soak(mesh, n):
     shape, seq = (1, 4 * n, 2, 64), 1
     base = _integer_data(n, shape, 15)
     device = jax.local_devices()[0].local_hardware_id
-    with cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, name="soak") as ws:
+    with workspace(mesh, base[0].nbytes // n, name="soak") as ws:
         _run_calls(mesh, n, ws, base, calls_per_step=1000, steps=1, seq=seq)  # compile, warm up
         free_before = ext.device_memory(device)[0]
         t0 = time.time()
@@ -196,10 +284,11 @@ def soak(mesh, n):
         elapsed = time.time() - t0
         free_after = ext.device_memory(device)[0]
     per_process_calls = 100_000 * len(local_ranks(mesh))
-    return {"ok": not bad and checked == per_process_calls and abs(free_before - free_after) < (64 << 20),
-            "checked_calls": checked, "bad_calls": len(bad), "seconds": round(elapsed, 1),
-            "us_per_call": round(elapsed / 100_000 * 1e6, 1),
-            "free_mib_before": free_before >> 20, "free_mib_after": free_after >> 20}
+    return result({"every_call_right": not bad, "all_calls_ran": checked == per_process_calls,
+                   "no_device_memory_drift": abs(free_before - free_after) < (64 << 20)},
+                  checked_calls=checked, bad_calls=len(bad), seconds=round(elapsed, 1),
+                  us_per_call=round(elapsed / 100_000 * 1e6, 1),
+                  free_mib_before=free_before >> 20, free_mib_after=free_after >> 20)
 
 
 def lifecycle(mesh, n):
@@ -212,7 +301,7 @@ def lifecycle(mesh, n):
     want = grad_return_oracle(list(base), n, seq)
 
     def one_cycle(check: bool):
-        with cpg.Workspace(mesh, "cp", nbytes=4 << 20, name="cycle") as ws:
+        with workspace(mesh, 4 << 20, name="cycle") as ws:
             if check:
                 out = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))(base)
                 return all(np.array_equal(v, want[r]) for r, v in out.items())
@@ -227,22 +316,23 @@ def lifecycle(mesh, n):
     elapsed = time.time() - t0
     free_after = ext.device_memory(device)[0]
     mappings_after = ext.open_ipc_mappings()
-    return {"ok": ok_calls and mappings_after == mappings_before == 0 and free_before - free_after < (64 << 20),
-            "cycles": 1000, "seconds": round(elapsed, 1), "free_mib_before": free_before >> 20,
-            "free_mib_after": free_after >> 20, "open_ipc_mappings_after": mappings_after}
+    return result({"calls_right": ok_calls, "no_ipc_mapping_left": mappings_after == mappings_before == 0,
+                   "no_device_memory_drift": free_before - free_after < (64 << 20)},
+                  cycles=1000, seconds=round(elapsed, 1), free_mib_before=free_before >> 20,
+                  free_mib_after=free_after >> 20, open_ipc_mappings_after=mappings_after)
 
 
 def independent(mesh, n):
     """Two workspaces on different axes of a 2-D mesh, used alternately, stay independent."""
     if n != 4:
-        return {"ok": True, "skipped": "needs exactly 4 ranks (a 2 x 2 mesh)"}
+        return result({"needs_4_ranks": False}, error="needs exactly 4 ranks (a 2 x 2 mesh)")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     mesh2 = Mesh(np.asarray(mesh.devices).reshape(2, 2), ("dp", "cp"))
     shape = (1, 8, 2, 32)
     base = _integer_data(4, shape, 17)  # rank r = 2 * dp + cp
-    ws_cp = cpg.Workspace(mesh2, "cp", nbytes=1 << 16, name="along-cp")
-    ws_dp = cpg.Workspace(mesh2, "dp", nbytes=1 << 16, name="along-dp")
+    ws_cp = cpg.Workspace(mesh2, "cp", nbytes=1 << 16, name="along-cp", protocol=PROTOCOL)
+    ws_dp = cpg.Workspace(mesh2, "dp", nbytes=1 << 16, name="along-dp", protocol=PROTOCOL)
 
     def body(x):
         x = x[0]
@@ -271,30 +361,48 @@ def independent(mesh, n):
                 failures.append(f"rank {r} call {i}")
     ws_cp.close()
     ws_dp.close()
-    return {"ok": not failures, "failures": failures}
+    return result({"both_axes_right": not failures}, failures=failures)
+
+
+_KEPT = []  # jitted functions kept alive until the interpreter exits
 
 
 def exit_open(mesh, n):
     """Leave two workspaces open (one mid-use) and let the interpreter exit normally."""
     shape, seq = (1, 8 * n, 2, 32), 1
     base = _integer_data(n, shape, 18)
-    ws = cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, name="left-open")
-    cpg.Workspace(mesh, "cp", nbytes=4096, name="left-open-too")
+    ws = workspace(mesh, base[0].nbytes // n, name="left-open")
+    workspace(mesh, 4096, name="left-open-too")
     checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=5, steps=1, seq=seq)
-    return {"ok": not bad, "checked_calls": checked}
+    return result({"every_call_right": not bad}, checked_calls=checked)
+
+
+def exit_closed(mesh, n):
+    """`with Workspace(...) as ws:` around jitted calls, the jitted function kept alive after the
+    block: the interpreter then exits normally (the test checks for leak reports)."""
+    shape, seq = (1, 8 * n, 2, 32), 1
+    base = _integer_data(n, shape, 20)
+    with workspace(mesh, base[0].nbytes // n, name="closed-before-exit") as ws:
+        f = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))
+        out = f(base)
+    _KEPT.append(f)
+    want = grad_return_oracle(list(base), n, seq)
+    return result({"calls_right": all(np.array_equal(v, want[r]) for r, v in out.items()),
+                   "closed_holds_no_native_object": ws._native is None})
 
 
 def mismatch(mesh, n):
     """Ranks that create a workspace with different arguments all get a ValueError, no hang."""
     me = local_ranks(mesh)[0]
     try:
-        cpg.Workspace(mesh, "cp", nbytes=4096 * (1 + me), name="mismatch")
-        return {"ok": False, "error": "no error raised"}
+        workspace(mesh, 4096 * (1 + me), name="mismatch")
+        return result({"raised": False}, error="no error raised")
     except ValueError as err:
         from jax_cpgrad import _distributed
 
         _distributed.barrier("mismatch_reported", 60)  # rank 0 hosts the coordinator: wait for all
-        return {"ok": "different arguments on different processes" in str(err), "error": str(err)[:500]}
+        return result({"raised": True, "names_the_mismatch": "different arguments on different processes" in str(err)},
+                      error=str(err)[:500])
 
 
 def allocation_failure(mesh, n):
@@ -303,10 +411,11 @@ def allocation_failure(mesh, n):
     import time
 
     import jax
-    from jax_cpgrad import _distributed, workspace
+    from jax_cpgrad import _distributed
+    from jax_cpgrad import workspace as workspace_module
 
     failing = jax.process_count() - 1
-    real_ext = workspace.ext
+    real_ext = workspace_module.ext
     class ExtWithoutMemory:  # the native module, except that allocating a workspace fails
         def __getattr__(self, name):
             return getattr(real_ext, name)
@@ -316,20 +425,21 @@ def allocation_failure(mesh, n):
             raise RuntimeError("jax_cpgrad: out of GPU memory allocating the workspace (injected by the test)")
 
     if jax.process_index() == failing:
-        workspace.ext = ExtWithoutMemory()
+        workspace_module.ext = ExtWithoutMemory()
     start = time.monotonic()
     try:
-        cpg.Workspace(mesh, "cp", nbytes=4096, name="alloc-failure")
+        workspace(mesh, 4096, name="alloc-failure")
         error = None
     except RuntimeError as err:
         error = str(err)
     finally:
-        workspace.ext = real_ext
+        workspace_module.ext = real_ext
     seconds = time.monotonic() - start
     _distributed.barrier("allocation_failure_reported", 60)  # rank 0 hosts the coordinator: wait for all
     expected = "injected by the test" if jax.process_index() == failing else f"process {failing} could not create"
-    ok = error is not None and expected in error and "injected by the test" in error and seconds < 60
-    return {"ok": ok, "error": (error or "no error raised")[:500], "seconds": round(seconds, 2)}
+    return result({"raised": error is not None, "names_the_failing_process": expected in (error or ""),
+                   "carries_its_error": "injected by the test" in (error or ""), "at_once": seconds < 60},
+                  error=(error or "no error raised")[:500], seconds=round(seconds, 2))
 
 
 def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
@@ -337,7 +447,7 @@ def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
     shape, seq = (1, 8 * n, 2, 32), 1
     base = _integer_data(n, shape, 14)
     me = local_ranks(mesh)[0]
-    ws = cpg.Workspace(mesh, "cp", nbytes=base[0].nbytes // n, timeout_s=timeout_s, name="trouble")
+    ws = workspace(mesh, base[0].nbytes // n, timeout_s=timeout_s, name="trouble")
     f = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))
     want = grad_return_oracle(list(base), n, seq)[me]
     first_ok = np.array_equal(f(base)[me], want)
@@ -368,37 +478,41 @@ def missing_peer(mesh, n):
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
         mesh, n, timeout_s=3.0, straggler_action=lambda: time.sleep(15))
     if me == n - 1:
-        return {"ok": first_ok, "role": "straggler"}
+        return result({"first_call_right": first_ok}, role="straggler")
     named = f"CP ranks [{n - 1}] never arrived"
-    ok = (first_ok and second["all_nan"] and check_error is not None and named in check_error
-          and third_error is not None and "timed out" in third_error and second["seconds"] < 12)
-    return {"ok": ok, "role": "waiter", "second_call": second, "check_error": check_error,
-            "third_call_error": third_error}
+    return result({"first_call_right": first_ok, "stuck_call_is_nan": second["all_nan"],
+                   "stuck_call_returned_within_12s": second["seconds"] < 12,
+                   "check_names_the_missing_rank": named in (check_error or ""),
+                   "next_call_fails_saying_timed_out": "timed out" in (third_error or "")},
+                  role="waiter", second_call=second, check_error=check_error, third_call_error=third_error)
 
 
 def slow_peer(mesh, n):
     """The last rank stalls 3 s, well inside a 20 s timeout: everyone's results stay correct."""
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
         mesh, n, timeout_s=20.0, straggler_action=lambda: time.sleep(3))
-    ok = first_ok and second["correct"] and check_error is None and third_error is None
     ws.close()
-    return {"ok": ok, "second_call": second, "check_error": check_error, "third_call_error": third_error}
+    return result({"first_call_right": first_ok, "delayed_call_right": second["correct"],
+                   "no_failure_reported": check_error is None, "next_call_fine": third_error is None},
+                  second_call=second, check_error=check_error, third_call_error=third_error)
 
 
 def dead_peer(mesh, n):
     """The last rank's process exits before call 2: the others fail within the timeout, naming it."""
     def die():
-        print("RESULT " + json.dumps({"scenario": "dead_peer", "ok": True, "role": "dead", "n": n}), flush=True)
+        print("RESULT " + json.dumps({"scenario": "dead_peer", "ok": True, "checks": {}, "role": "dead", "n": n}),
+              flush=True)
         os._exit(0)
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
         mesh, n, timeout_s=4.0, straggler_action=die)
     named = f"CP ranks [{n - 1}] never arrived"
-    ok = first_ok and second["all_nan"] and check_error is not None and named in check_error
-    return {"ok": ok, "role": "survivor", "second_call": second, "check_error": check_error,
-            "third_call_error": third_error}
+    return result({"first_call_right": first_ok, "stuck_call_is_nan": second["all_nan"],
+                   "check_names_the_dead_rank": named in (check_error or "")},
+                  role="survivor", second_call=second, check_error=check_error, third_call_error=third_error)
 
 
-SCENARIOS = {"correctness": correctness, "race": race, "wrap": wrap, "errors": errors,
+SCENARIOS = {"correctness": correctness, "race": race, "race_unprotected": race_unprotected, "graphs": graphs,
+             "wrap": wrap, "errors": errors, "exit_closed": exit_closed,
              "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
              "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch,
              "exit_open": exit_open, "allocation_failure": allocation_failure}
@@ -413,15 +527,15 @@ def main(names: list[str]) -> int:
     for name in names:
         t0 = time.time()
         try:
-            result = SCENARIOS[name](mesh, n)
+            outcome = SCENARIOS[name](mesh, n)
         except Exception:
-            result = {"ok": False, "error": traceback.format_exc()[-3000:]}
-        result.update(scenario=name, n=n, ranks=local_ranks(mesh), seconds_total=round(time.time() - t0, 2))
-        print("RESULT " + json.dumps(result), flush=True)
-        code |= 0 if result["ok"] else 1
+            outcome = {"ok": False, "checks": {}, "error": traceback.format_exc()[-3000:]}
+        outcome.update(scenario=name, n=n, ranks=local_ranks(mesh), seconds_total=round(time.time() - t0, 2))
+        print("RESULT " + json.dumps(outcome), flush=True)
+        code |= 0 if outcome["ok"] else 1
     sys.stdout.flush()
-    if names == ["exit_open"]:
-        sys.exit(code)  # a normal interpreter exit, with the workspaces still open
+    if any(name.startswith("exit_") for name in names):
+        sys.exit(code)  # a normal interpreter exit (open workspaces, or closed ones still referenced)
     # Skip jax.distributed's shutdown barrier: a rank that finishes early must not wait on others.
     os._exit(code)
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import ceiling  # noqa: E402
 import grad_return as bench  # noqa: E402
 
-from workspace_stub import workspace_stub  # noqa: E402
+from workspace_stub import workspace_spec  # noqa: E402
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 SMOKE = "benchmarks/grad_return.py --cpu --sizes 64K 1M --dtypes float32 --reps 2 --iters 2 --calls 3".split()
@@ -264,7 +264,7 @@ def _cpu_mesh(n):
 def test_peer_bodies_trace_to_one_custom_call_per_call(op_name):
     mesh, n, calls = _cpu_mesh(4), 4, 3
     op, point = bench.OPS[op_name], bench.make_point(64 << 10, "float32", n)
-    ws = workspace_stub(n, nbytes=bench.TENSORS * point.local_bytes)
+    ws = workspace_spec(n, nbytes=bench.TENSORS * point.local_bytes)
     body = bench.Transport("peer-memop", "peer", "", "memop").body(op, ws)
     pairs = bench.make_pairs(mesh, op, n, point, calls)
     target = f"@jax_cpgrad_{op_name}("

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpgrad as cpg
 from spmd import cp_mesh as _mesh, place
-from workspace_stub import workspace_stub
+from workspace_stub import workspace_spec
 
 cp_mesh = lambda n: _mesh(n, "cpu")
 
@@ -71,9 +71,7 @@ def test_workspace_argument_checks(kwargs, match):
         cpg.Workspace(cp_mesh(2), **kwargs)
 
 
-@pytest.mark.parametrize("state,fn,match", [
-    (dict(_closed=True), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
-     "workspace 'stub' is closed"),
+@pytest.mark.parametrize("fields,fn,match", [
     (dict(axis_name="sp"), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
      "was created for axis 'sp'"),
     (dict(n=4), lambda ws: lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1, workspace=ws),
@@ -81,6 +79,22 @@ def test_workspace_argument_checks(kwargs, match):
     (dict(nbytes=64), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
      "moves 96 bytes per device .* holds 64"),
 ])
-def test_workspace_mismatches_raise_before_tracing_the_call(state, fn, match):
+def test_workspace_mismatches_raise_before_tracing_the_call(fields, fn, match):
     with pytest.raises(ValueError, match=match):
-        _trace(2, fn(workspace_stub(**state)), z(2, 2, 8, 3))
+        _trace(2, fn(workspace_spec(**fields)), z(2, 2, 8, 3))
+
+
+def test_a_workspace_description_names_its_protocol():
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        workspace_spec(protocol="nccl")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(protocol="fast"), "protocol must be 'auto', 'device' or 'memop'"),
+    (dict(sm_budget=1), "sm_budget must be an int >= 2"),
+    (dict(push_share=1.0), r"push_share must be in \(0, 1\)"),
+    (dict(on_timeout="ignore"), "on_timeout must be 'raise' or 'abort'"),
+])
+def test_workspace_option_checks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cpg.Workspace(cp_mesh(2), "cp", nbytes=1024, **kwargs)

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import jax_cpgrad
+import jax_cpgrad._native
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_worker.py")
@@ -43,8 +44,9 @@ def _results(out: list) -> dict:
     return found
 
 
-def _run(n, scenarios, timeout_s=540, env=None, allow_failure=False):
+def _run(n, scenarios, timeout_s=540, env=None, allow_failure=False, protocol="auto"):
     argv = [sys.executable, WORKER, ",".join(scenarios)]
+    env = dict(env or {}, JAX_CPGRAD_TEST_PROTOCOL=protocol)
     try:
         out = launch.launch(argv, n, timeout_s=timeout_s, env=env, echo=False)
     except launch.LaunchError as err:
@@ -60,22 +62,57 @@ def _assert_all_ok(found, n, scenarios):
         for rank in range(n):
             res = found.get((scenario, rank))
             assert res is not None, f"rank {rank} printed no result for {scenario}"
-            assert res["ok"], f"{scenario} failed on rank {rank}: {json.dumps(res)[:3000]}"
+            failed = [name for name, held in res.get("checks", {}).items() if not held]
+            assert res["ok"], f"{scenario} failed on rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
 
 
+def _need_own_gpus(n, protocol):
+    """The device protocol needs a GPU per rank: a property of the machine, so this skips even
+    with JAX_CPGRAD_REQUIRE_GPU=1 (and says so)."""
+    if protocol == "device" and GPUS < n:
+        pytest.skip(f"the device protocol needs {n} GPUs (one per rank); {GPUS} visible")
+
+
+CORE = ["correctness", "race", "wrap", "errors"]
+
+
+@pytest.mark.parametrize("protocol", ["device", "memop"])
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_peer_transport_multiprocess(gpu, n):
-    """Bitwise vs the oracle (all dtypes, both layouts, grad, vmap), >= 1,000-call race test,
-    epoch wrap-around, handler-side rejections and use after close."""
-    scenarios = ["correctness", "race", "wrap", "errors"]
-    _assert_all_ok(_run(n, scenarios), n, scenarios)
+def test_peer_transport_multiprocess(gpu, n, protocol):
+    """Bitwise vs the oracle (all dtypes, four layouts including odd sizes and many tiles, grad,
+    vmap), >= 1,000-call race test, epoch wrap-around, handler-side rejections, use after close;
+    for the device protocol also calls recorded into CUDA graphs."""
+    _need_own_gpus(n, protocol)
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    scenarios = CORE + (["graphs"] if protocol == "device" else [])
+    _assert_all_ok(_run(n, scenarios, protocol=protocol), n, scenarios)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_missing_peer_times_out_naming_it(gpu, n):
+@pytest.mark.parametrize("protocol", ["device", "memop"])
+def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
+    """The race test's negative control: with the protection removed (a test build's hook) calls
+    go wrong, so the race test above can fail."""
+    _need_own_gpus(2, protocol)
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    _assert_all_ok(_run(2, ["race_unprotected"], protocol=protocol), 2, ["race_unprotected"])
+
+
+def test_device_protocol_is_recorded_into_cuda_graphs(gpu, tmp_path):
+    """XLA's dump shows the calls inside a command buffer, and the replayed graphs stay bitwise
+    right with data changing every step."""
+    _need_own_gpus(2, "device")
+    env = {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*cpgrad_graph_probe.*"}
+    found = _run(2, ["graphs"], env=env, protocol="device")
+    _assert_all_ok(found, 2, ["graphs"])
+    assert "xla_captured_the_calls" in found[("graphs", 0)]["checks"], found[("graphs", 0)]
+
+
+@pytest.mark.parametrize("n,protocol", [(2, "device"), (2, "memop"), (4, "memop")])
+def test_missing_peer_times_out_naming_it(gpu, n, protocol):
     """The last rank stalls; the others fail within the timeout, naming it. (Once they exit, the
     JAX coordination service takes the straggler down too: only the waiters report.)"""
-    found = _run(n, ["missing_peer"], timeout_s=180, allow_failure=True)
+    _need_own_gpus(n, protocol)
+    found = _run(n, ["missing_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
     _assert_all_ok(found, n - 1, ["missing_peer"])
 
 
@@ -84,8 +121,10 @@ def test_slow_peer_within_timeout_is_fine(gpu):
     _assert_all_ok(found, 2, ["slow_peer"])
 
 
-def test_dead_peer_process_times_out_naming_it(gpu):
-    found = _run(2, ["dead_peer"], timeout_s=180, allow_failure=True)
+@pytest.mark.parametrize("protocol", ["device", "memop"])
+def test_dead_peer_process_times_out_naming_it(gpu, protocol):
+    _need_own_gpus(2, protocol)
+    found = _run(2, ["dead_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
     _assert_all_ok(found, 2, ["dead_peer"])
 
 
@@ -95,10 +134,11 @@ def test_soak_and_lifecycle(gpu):
     _assert_all_ok(_run(2, scenarios, timeout_s=900), 2, scenarios)
 
 
-def test_interpreter_exit_with_open_workspaces_is_clean(gpu):
-    """Every rank exits 0 through the normal interpreter exit, with no crash or leak report."""
-    out = launch.launch([sys.executable, WORKER, "exit_open"], 2, timeout_s=120, echo=False)
-    _assert_all_ok(_results(out), 2, ["exit_open"])
+def test_interpreter_exit_is_clean_with_open_or_closed_workspaces(gpu):
+    """Every rank exits 0 through the normal interpreter exit, with no crash or leak report: with
+    workspaces left open, and with a closed one still referenced by a live jitted function."""
+    out = launch.launch([sys.executable, WORKER, "exit_closed,exit_open"], 2, timeout_s=120, echo=False)
+    _assert_all_ok(_results(out), 2, ["exit_closed", "exit_open"])
     for r in out:
         assert r.returncode == 0
         for bad in ("leaked", "Segmentation", "terminate called", "Fatal Python error"):
@@ -127,16 +167,21 @@ def _run_in_one_process(scenarios, timeout_s, **env):
              for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
     for scenario in scenarios:
         assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert found[scenario]["ok"], json.dumps(found[scenario])[:3000]
+        failed = [name for name, held in found[scenario].get("checks", {}).items() if not held]
+        assert found[scenario]["ok"], f"{failed or 'error'}: {json.dumps(found[scenario])[:3000]}"
 
 
-def test_single_process_multi_gpu(gpu):
+@pytest.mark.parametrize("protocol", ["device", "memop"])
+def test_single_process_multi_gpu(gpu, protocol):
     """One process driving every visible GPU: raw peer pointers and peer access, no IPC."""
     if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
         pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
-    _run_in_one_process(["correctness", "race", "wrap", "errors"], timeout_s=900)
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    scenarios = CORE + (["graphs"] if protocol == "device" else [])
+    _run_in_one_process(scenarios, timeout_s=900, JAX_CPGRAD_TEST_PROTOCOL=protocol)
 
 
 def test_one_gpu_in_process_n1(gpu):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer."""
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     _run_in_one_process(["correctness", "wrap", "errors"], timeout_s=600, CUDA_VISIBLE_DEVICES="0")

@@ -5,12 +5,13 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 import jax_cpgrad as cpg
 from jax_cpgrad.example.cp_step import make_train_step, replicate, shard_batch, workspace_nbytes
 from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 from spmd import cp_mesh, place, spmd_jit
-from workspace_stub import workspace_stub
+from workspace_stub import workspace_spec
 
 XLA_COLLECTIVES = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)")
 
@@ -19,17 +20,35 @@ def _cuda_text(jitted, *args):
     return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_grad_return_lowers_to_one_custom_call_with_its_attributes():
-    mesh, ws = cp_mesh(4, "cpu"), workspace_stub(4)
+@pytest.mark.parametrize("protocol,target,side_effect", [
+    ("memop", "@jax_cpgrad_grad_return(", True),  # host-side epochs: no call may be dropped
+    ("device", "@jax_cpgrad_grad_return_device(", False),  # device epochs: XLA may record it in graphs
+])
+def test_grad_return_lowers_to_one_custom_call_with_its_attributes(protocol, target, side_effect):
+    mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol=protocol)
     f = spmd_jit(mesh, lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1, workspace=ws))
     x = place(mesh, np.zeros((4, 2, 16, 3), np.float32))
     text = _cuda_text(f, x, x)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    assert len(calls) == 1 and "@jax_cpgrad_grad_return" in calls[0]
-    assert "has_side_effect = true" in calls[0]
+    assert len(calls) == 1 and target in calls[0]
+    assert ("has_side_effect = true" in calls[0]) == side_effect
     for attr in ("axis_size = 4", "seq_axis_from_end = 2", "workspace_id = 7"):
         assert attr in text, attr
     assert not XLA_COLLECTIVES.search(text)
+
+
+def test_only_the_device_protocol_handlers_are_command_buffer_compatible():
+    """XLA records a custom call into its CUDA graphs only when the handler says so (asked the
+    way XLA asks: a metadata call frame). A stream-memop handler must never say so: its epochs
+    are host-chosen, and a replayed graph would pass stale waits."""
+    if not cpg.HAS_CUDA:
+        pytest.skip("the handlers are in the CUDA build only (no nvcc at build time)")
+    from jax_cpgrad._native import ext
+
+    compatible = {name: bool(ext.handler_traits(name) & ext.COMMAND_BUFFER_COMPATIBLE)
+                  for name in ("grad_return", "all_gather", "grad_return_device", "all_gather_device")}
+    assert compatible == {"grad_return": False, "all_gather": False,
+                          "grad_return_device": True, "all_gather_device": True}
 
 
 def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
@@ -37,18 +56,20 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
     mesh = cp_mesh(4, "cpu")
     params = replicate(mesh, init_params(cfg))
     batch = shard_batch(mesh, *synthetic_batch(cfg, seed=0))
-    ws = workspace_stub(4, nbytes=workspace_nbytes(cfg, 4, init_params(cfg)))  # the capacity the demo asks for
-    peer = _cuda_text(make_train_step(cfg, mesh, workspace=ws), params, *batch)
-    assert not XLA_COLLECTIVES.search(peer), XLA_COLLECTIVES.search(peer)
-    # Per layer: K/V gathered forward, dK/dV returned backward; plus the gradient all-reduce.
-    assert peer.count("@jax_cpgrad_all_gather(") == cfg.layers + 1
-    assert peer.count("@jax_cpgrad_grad_return(") == cfg.layers
+    ws = workspace_spec(4, nbytes=workspace_nbytes(cfg, 4, init_params(cfg)))  # the capacity the demo asks for
+    for protocol, suffix in (("memop", ""), ("device", "_device")):
+        ws = workspace_spec(4, nbytes=ws.nbytes, protocol=protocol)
+        peer = _cuda_text(make_train_step(cfg, mesh, workspace=ws), params, *batch)
+        assert not XLA_COLLECTIVES.search(peer), XLA_COLLECTIVES.search(peer)
+        # Per layer: K/V gathered forward, dK/dV returned backward; plus the gradient all-reduce.
+        assert peer.count(f"@jax_cpgrad_all_gather{suffix}(") == cfg.layers + 1
+        assert peer.count(f"@jax_cpgrad_grad_return{suffix}(") == cfg.layers
     xla = _cuda_text(make_train_step(cfg, mesh), params, *batch)
     assert XLA_COLLECTIVES.search(xla) and "@jax_cpgrad_" not in xla
 
 
 def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_back():
-    mesh, ws = cp_mesh(4, "cpu"), workspace_stub(4)
+    mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4)
     # Per example [S=16, H=3] with seq_axis 0; vmapped over a leading batch of 5.
     body = lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a)
     text = _cuda_text(spmd_jit(mesh, body), place(mesh, np.zeros((4, 5, 16, 3), np.float32)))

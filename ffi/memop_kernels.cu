@@ -1,60 +1,47 @@
-// The transport's kernels: run copies (scatter, gather) and the ordered float32 accumulation.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// The stream-memop protocol's kernels: run copies (scatter, gather) and the ordered float32
+// accumulation, each its own launch; the host orders them around the publish and wait.
+#include "memop_kernels.h"
 
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels.h"
-#include "region_layout.h"
+#include "device/ordered_sum.cuh"
 
 namespace jax_cpgrad {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kCopyUnroll = 2;  // vectors in flight per thread in a copy (see copy_rows)
-// Vectors per thread per writer in the accumulation. With 4 (and packed loads, see
-// accumulate_rows) benchmarks/kernels.py on one H200 went from 77-84% to 88-93% of a device copy
-// at 64 MiB per tensor; benchmarks/sweeps/kernel_variants.cu has 1 ahead only for N=2 from
-// 128 MiB up, by 3-6 points.
+// Vectors per thread per writer in the accumulation. With 4 (and packed loads, see sum_words)
+// benchmarks/kernels.py on one H200 went from 77-84% to 88-93% of a device copy at 64 MiB per
+// tensor; benchmarks/sweeps/kernel_variants.cu has 1 ahead only for N=2 from 128 MiB up, by 3-6
+// points.
 constexpr int kSumUnroll = 4;
 
-struct TensorPtrs {
-  const char* in[kMaxTensors];
-  char* out[kMaxTensors];
-};
-
-// Is the word at `own_region + kErrorWordOffset` set (the watchdog released a stuck wait)?
-__device__ __forceinline__ bool call_failed(const char* own_region) {
-  return own_region != nullptr &&
-         *reinterpret_cast<const volatile int*>(own_region + kErrorWordOffset) != 0;
-}
-
-// The p-th peer (p = 0..N-2) a writer sends to. Rotated by writer, so that at any moment every
-// writer pushes into a different owner: with the same order on every writer all of them pushed
-// into one owner at a time (incast), and 4 H200s reached 145-162 GB/s instead of 228-279.
-__device__ __forceinline__ int64_t rotated_owner(const CallPlan& plan, int64_t p) {
-  return (plan.self + 1 + p) % plan.n;
+// Did the call fail (the watchdog released a stuck wait, or the workspace is closed)?
+__device__ __forceinline__ bool call_failed(const char* own_header) {
+  return own_header != nullptr &&
+         reinterpret_cast<const volatile Control*>(own_header)->state != kStateOk;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Row maps: a copy moves `rows` rows of `row_bytes` each; a map gives each row's source and
-// destination, and `checked_region()` the region whose error word poisons the copy (none for
+// destination, and `checked_header()` the header whose state poisons the copy (none for
 // the scatters: they run before the wait, so nothing can have failed yet).
 
 struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer x 2 halves
   CallPlan plan;
   TensorPtrs t;
-  RegionTable regions;
-  __device__ const char* checked_region() const { return nullptr; }
+  PeerTable peers;
+  __device__ const char* checked_header() const { return nullptr; }
   __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t h = row % 2;
     const int64_t b = (row / 2) % plan.outer;
     const int64_t k = (row / (2 * plan.outer)) % plan.tensors;
-    const int64_t owner = rotated_owner(plan, row / (2 * plan.outer * plan.tensors));
+    const int64_t owner = rotated_owner(plan.self, plan.n, row / (2 * plan.outer * plan.tensors));
     const int64_t rb = plan.run_bytes();
     *src = t.in[k] + (b * 2 * plan.n + chunk_of(owner, h, plan.n)) * rb;
-    *dst = regions.region[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
+    *dst = peers.slots[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
            k * plan.tensor_bytes() + (b * 2 + h) * rb;
   }
 };
@@ -62,13 +49,13 @@ struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer 
 struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a whole local tensor
   CallPlan plan;
   TensorPtrs t;
-  RegionTable regions;
-  __device__ const char* checked_region() const { return nullptr; }
+  PeerTable peers;
+  __device__ const char* checked_header() const { return nullptr; }
   __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t k = row % plan.tensors;
-    const int64_t owner = rotated_owner(plan, row / plan.tensors);
+    const int64_t owner = rotated_owner(plan.self, plan.n, row / plan.tensors);
     *src = t.in[k];
-    *dst = regions.region[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
+    *dst = peers.slots[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
            k * plan.tensor_bytes();
   }
 };
@@ -76,8 +63,9 @@ struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a w
 struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
   CallPlan plan;
   TensorPtrs t;
-  const char* own_region;
-  __device__ const char* checked_region() const { return own_region; }
+  const char* own_header;
+  const char* own_slots;
+  __device__ const char* checked_header() const { return own_header; }
   __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t j = row % (2 * plan.n);
     const int64_t b = (row / (2 * plan.n)) % plan.outer;
@@ -86,7 +74,7 @@ struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
     const int64_t rb = plan.run_bytes();
     const int64_t local_row = (b * 2 + half_of(j, plan.n)) * rb;
     *src = owner == plan.self ? t.in[k] + local_row
-                              : own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
+                              : own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
                                     k * plan.tensor_bytes() + local_row;
     *dst = t.out[k] + row % (2 * plan.n * plan.outer) * rb;
   }
@@ -134,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) copy_rows(Map map, Tiling g) {
       const int64_t i = base + u * kThreads;
       if (i < g.units_per_row) v[u] = src[i];
     }
-    const bool failed = call_failed(map.checked_region());
+    const bool failed = call_failed(map.checked_header());
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * kThreads;
@@ -175,86 +163,33 @@ TensorPtrs tensor_ptrs(const CallPlan& plan, const void* const* in, void* const*
 }
 
 // ---------------------------------------------------------------------------------------------
-// The ordered accumulation.
+// The ordered accumulation: a one-wave grid, x over the words of a row, y over the rows.
 
-template <typename T> struct Convert;
-template <> struct Convert<float> {
-  __device__ static float load(float x) { return x; }
-  __device__ static float store(float x) { return x; }
-};
-template <> struct Convert<__nv_bfloat16> {
-  __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
-};
-template <> struct Convert<__half> {
-  __device__ static float load(__half x) { return __half2float(x); }
-  __device__ static __half store(float x) { return __float2half_rn(x); }
-};
-
-// out row (k, b, h) = sum over writers w = 0..N-1, in that order, of writer w's run: our own
-// from the global input, the others from their slots. `Word` is what one load moves (uint4 for
-// 16-byte vectors, T itself otherwise); loaded words stay packed and are unpacked one element at
-// a time as they are added (a struct of T elements made nvcc keep every bf16 in its own
-// register: 213 registers, one block per multiprocessor, 35% of a copy). Loads of kWriterBatch
-// writers are issued before their adds, so each thread keeps kWriterBatch * kSumUnroll loads in
-// flight.
 template <typename T, typename Word>
 __global__ void __launch_bounds__(kThreads)
-accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_region, int64_t words_per_row) {
-  constexpr int kElems = sizeof(Word) / sizeof(T);
-  constexpr int kWriterBatch = 4;
+accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char* own_slots, int64_t words_per_row) {
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
-  const bool failed = call_failed(own_region);
+  const bool failed = call_failed(own_header);
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t h = row % 2;
     const int64_t b = (row / 2) % plan.outer;
     const int64_t k = row / (2 * plan.outer);
-    const char* own = t.in[k] + (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb;
-    const char* slot0 = own_region + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) +
-                        k * plan.tensor_bytes() + (b * 2 + h) * rb;
+    const Contributions<Word> in{
+        reinterpret_cast<const Word*>(t.in[k] + (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb),
+        own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb, plan.slot_bytes, plan.n,
+        plan.self};
     Word* out = reinterpret_cast<Word*>(t.out[k] + (b * 2 + h) * rb);
     const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;
-    for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
-         base < words_per_row; base += stride) {
-      float acc[kSumUnroll][kElems];
-      for (int64_t w0 = 0; w0 < plan.n; w0 += kWriterBatch) {
-        Word loaded[kWriterBatch][kSumUnroll];
-#pragma unroll
-        for (int j = 0; j < kWriterBatch; ++j) {
-          const int64_t w = w0 + j;
-          const Word* src = reinterpret_cast<const Word*>(w == plan.self ? own : slot0 + w * plan.slot_bytes);
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            const int64_t i = base + u * kThreads;
-            if (w < plan.n && i < words_per_row) loaded[j][u] = src[i];
-          }
+    for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x; base < words_per_row;
+         base += stride) {
+      if (failed) {
+        for (int u = 0; u < kSumUnroll; ++u) {
+          if (base + u * kThreads < words_per_row) out[base + u * kThreads] = poison_word<Word>();
         }
-#pragma unroll
-        for (int j = 0; j < kWriterBatch; ++j) {
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            const T* elems = reinterpret_cast<const T*>(&loaded[j][u]);
-#pragma unroll
-            for (int e = 0; e < kElems; ++e) {
-              if (w0 + j >= plan.n) continue;
-              const float x = Convert<T>::load(elems[e]);
-              acc[u][e] = w0 + j == 0 ? x : acc[u][e] + x;
-            }
-          }
-        }
+        continue;
       }
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i >= words_per_row) continue;
-        Word result;
-        T* elems = reinterpret_cast<T*>(&result);
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) elems[e] = Convert<T>::store(acc[u][e]);
-        if (failed) memset(&result, 0xff, sizeof(Word));
-        out[i] = result;
-      }
+      sum_words<T, Word, kSumUnroll, kThreads>(in, out, base, words_per_row);
     }
   }
 }
@@ -291,16 +226,20 @@ dim3 one_wave_grid(int64_t rows, int64_t work_per_row, int64_t per_block) {
 }
 
 template <typename T>
-cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, bool ok16,
-                                    const char* own_region, cudaStream_t stream) {
+cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, bool ok16, const PeerTable& peers,
+                                    cudaStream_t stream) {
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
+  const char* header = peers.header[plan.self];
+  const char* slots = peers.slots[plan.self];
   if (ok16 && rb % 16 == 0 && plan.slot_bytes % 16 == 0) {
     constexpr auto kernel = accumulate_rows<T, uint4>;
-    kernel<<<one_wave_grid<kernel>(rows, rb / 16, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, rb / 16);
+    kernel<<<one_wave_grid<kernel>(rows, rb / 16, kThreads * kSumUnroll), kThreads, 0, stream>>>(
+        plan, t, header, slots, rb / 16);
   } else {
     constexpr auto kernel = accumulate_rows<T, T>;
-    kernel<<<one_wave_grid<kernel>(rows, plan.run, kThreads * kSumUnroll), kThreads, 0, stream>>>(plan, t, own_region, plan.run);
+    kernel<<<one_wave_grid<kernel>(rows, plan.run, kThreads * kSumUnroll), kThreads, 0, stream>>>(
+        plan, t, header, slots, plan.run);
   }
   return cudaGetLastError();
 }
@@ -317,42 +256,41 @@ cudaError_t warm() {
 }  // namespace
 
 cudaError_t launch_scatter_owner_chunks(const CallPlan& plan, const void* const* global_inputs,
-                                        const RegionTable& regions, cudaStream_t stream) {
+                                        const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
-  OwnerChunksMap map{plan, tensor_ptrs(plan, global_inputs, nullptr, &ok16), regions};
+  OwnerChunksMap map{plan, tensor_ptrs(plan, global_inputs, nullptr, &ok16), peers};
   const int64_t rows = (plan.n - 1) * plan.tensors * plan.outer * 2;
   return launch_copy(map, rows, plan.run_bytes(), ok16, stream);
 }
 
 cudaError_t launch_scatter_local_copies(const CallPlan& plan, const void* const* local_inputs,
-                                        const RegionTable& regions, cudaStream_t stream) {
+                                        const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
-  LocalCopiesMap map{plan, tensor_ptrs(plan, local_inputs, nullptr, &ok16), regions};
+  LocalCopiesMap map{plan, tensor_ptrs(plan, local_inputs, nullptr, &ok16), peers};
   return launch_copy(map, (plan.n - 1) * plan.tensors, plan.tensor_bytes(), ok16, stream);
 }
 
 cudaError_t launch_accumulate(const CallPlan& plan, const void* const* global_inputs,
-                              void* const* local_outputs, const char* own_region,
-                              cudaStream_t stream) {
+                              void* const* local_outputs, const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = true;
   const TensorPtrs t = tensor_ptrs(plan, global_inputs, local_outputs, &ok16);
   switch (plan.dtype) {
-    case ElementType::kF32: return launch_accumulate_typed<float>(plan, t, ok16, own_region, stream);
-    case ElementType::kBF16: return launch_accumulate_typed<__nv_bfloat16>(plan, t, ok16, own_region, stream);
-    case ElementType::kF16: return launch_accumulate_typed<__half>(plan, t, ok16, own_region, stream);
+    case ElementType::kF32: return launch_accumulate_typed<float>(plan, t, ok16, peers, stream);
+    case ElementType::kBF16: return launch_accumulate_typed<__nv_bfloat16>(plan, t, ok16, peers, stream);
+    case ElementType::kF16: return launch_accumulate_typed<__half>(plan, t, ok16, peers, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_gather(const CallPlan& plan, const void* const* local_inputs,
-                          void* const* global_outputs, const char* own_region,
-                          cudaStream_t stream) {
+                          void* const* global_outputs, const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
-  GatherMap map{plan, tensor_ptrs(plan, local_inputs, global_outputs, &ok16), own_region};
+  GatherMap map{plan, tensor_ptrs(plan, local_inputs, global_outputs, &ok16), peers.header[plan.self],
+                peers.slots[plan.self]};
   return launch_copy(map, plan.tensors * plan.outer * 2 * plan.n, plan.run_bytes(), ok16, stream);
 }
 
-cudaError_t warm_kernels() {
+cudaError_t warm_memop_kernels() {
   device_sm_count();
   for (cudaError_t err : {
            warm<copy_rows<uint4, OwnerChunksMap>>(), warm<copy_rows<uint16_t, OwnerChunksMap>>(),

@@ -1,5 +1,5 @@
-#include "kernel_bench.h"
-
+// Single-GPU measurements of the transport's kernels: N writers are emulated by N regions on one
+// device, so they measure HBM efficiency and per-call cost, not NVLink.
 #include <cuda_runtime.h>
 #include <nanobind/stl/string.h>
 
@@ -10,9 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_bindings.h"
 #include "cuda_check.h"
-#include "kernels.h"
-#include "region_layout.h"
+#include "fused_kernels.h"
+#include "memop_kernels.h"
 #include "stream_protocol.h"
 
 namespace nb = nanobind;
@@ -26,6 +27,24 @@ struct DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   char* ptr = nullptr;
+};
+
+// N ranks' headers and slots, all on this GPU, the flags at `flag_epoch` and the state ok.
+struct EmulatedPeers {
+  EmulatedPeers(int64_t n, int64_t slot_bytes, uint32_t flag_epoch) {
+    std::vector<uint32_t> header(header_bytes(n) / 4, flag_epoch);
+    std::fill(header.begin(), header.begin() + kControlBytes / 4, 0u);
+    for (int64_t r = 0; r < n; ++r) {
+      headers.push_back(std::make_unique<DeviceBuffer>(header_bytes(n)));
+      slots.push_back(std::make_unique<DeviceBuffer>(slots_bytes(n, slot_bytes)));
+      CPG_CUDA_OR_THROW(cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n), cudaMemcpyHostToDevice));
+      CPG_CUDA_OR_THROW(cudaMemset(slots.back()->ptr, 0, slots_bytes(n, slot_bytes)));
+      table.header[r] = headers.back()->ptr;
+      table.slots[r] = slots.back()->ptr;
+    }
+  }
+  std::vector<std::unique_ptr<DeviceBuffer>> headers, slots;
+  PeerTable table{};
 };
 
 // Median, min and max milliseconds per launch of `fn` over `reps` timed groups of `iters`.
@@ -79,13 +98,9 @@ nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const st
   const int64_t global = local_bytes * n;
   plan.slot_bytes = round_up_slot_bytes(tensors * local_bytes);
 
-  std::vector<std::unique_ptr<DeviceBuffer>> regions, inputs, outputs, locals, gathered;
-  RegionTable table{};
-  for (int64_t r = 0; r < n; ++r) {
-    regions.push_back(std::make_unique<DeviceBuffer>(region_bytes(n, plan.slot_bytes)));
-    CPG_CUDA_OR_THROW(cudaMemset(regions.back()->ptr, 0, region_bytes(n, plan.slot_bytes)));
-    table.region[r] = regions.back()->ptr;
-  }
+  EmulatedPeers peers(n, plan.slot_bytes, 0);
+  const PeerTable& table = peers.table;
+  std::vector<std::unique_ptr<DeviceBuffer>> inputs, outputs, locals, gathered;
   std::vector<const void*> in, local_in;
   std::vector<void*> out, gather_out;
   for (int64_t k = 0; k < tensors; ++k) {
@@ -117,8 +132,8 @@ nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const st
   result["accumulate_traffic"] = (n + 1) * tensors * local_bytes;
   result["gather_traffic"] = 2 * n * tensors * local_bytes;
   result["scatter"] = time_ms([&](cudaStream_t s) { return launch_scatter_owner_chunks(plan, in.data(), table, s); }, stream, iters, reps);
-  result["accumulate"] = time_ms([&](cudaStream_t s) { return launch_accumulate(plan, in.data(), out.data(), table.region[0], s); }, stream, iters, reps);
-  result["gather"] = time_ms([&](cudaStream_t s) { return launch_gather(plan, local_in.data(), gather_out.data(), table.region[0], s); }, stream, iters, reps);
+  result["accumulate"] = time_ms([&](cudaStream_t s) { return launch_accumulate(plan, in.data(), out.data(), table, s); }, stream, iters, reps);
+  result["gather"] = time_ms([&](cudaStream_t s) { return launch_gather(plan, local_in.data(), gather_out.data(), table, s); }, stream, iters, reps);
   const int64_t acc_copy = (n + 1) * tensors * local_bytes / 2;
   const int64_t gather_copy = n * tensors * local_bytes;
   result["copy_scatter_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, moved, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
@@ -153,22 +168,17 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
 
 // Fixed cost of one call for one rank, N writers emulated on this GPU with every wait already
 // satisfied: host time to enqueue, and GPU time per call, for the whole call and its parts.
-nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
+nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t block_budget, int32_t push_blocks) {
   CallPlan plan;
   plan.n = n;
   plan.tensors = 2;
   plan.dtype = ElementType::kBF16;
   plan.run = std::max<int64_t>(1, global_bytes / 2 / (2 * n));
   plan.slot_bytes = round_up_slot_bytes(plan.tensors * plan.tensor_bytes());
-  std::vector<std::unique_ptr<DeviceBuffer>> regions, bufs;
-  RegionTable table{};
-  for (int64_t r = 0; r < n; ++r) {
-    regions.push_back(std::make_unique<DeviceBuffer>(region_bytes(n, plan.slot_bytes)));
-    table.region[r] = regions.back()->ptr;
-  }
-  // Our own flags already hold a later epoch than any we publish: every wait passes at once.
-  std::vector<uint32_t> page(kFlagsPageBytes / 4, 1u << 30);
-  CPG_CUDA_OR_THROW(cudaMemcpy(table.region[0], page.data(), kFlagsPageBytes, cudaMemcpyHostToDevice));
+  // Our own flags already hold a later epoch than any call here reaches: every wait passes at once.
+  EmulatedPeers peers(n, plan.slot_bytes, 1u << 30);
+  const PeerTable& table = peers.table;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
   const void* in[2];
   void* out[2];
   for (int k = 0; k < 2; ++k) {
@@ -177,12 +187,21 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
     bufs.push_back(std::make_unique<DeviceBuffer>(plan.tensor_bytes()));
     out[k] = bufs.back()->ptr;
   }
-  uint32_t* progress = nullptr;
-  CPG_CUDA_OR_THROW(cudaHostAlloc(reinterpret_cast<void**>(&progress), 8, cudaHostAllocMapped));
-  void* progress_dev = nullptr;
-  CPG_CUDA_OR_THROW(cudaHostGetDevicePointer(&progress_dev, progress, 0));
-  const ProtocolSite site{n, 0, &table, table.region[0], static_cast<uint32_t*>(progress_dev),
-                          static_cast<uint32_t*>(progress_dev) + 1};
+  HostReport* report = nullptr;
+  CPG_CUDA_OR_THROW(cudaHostAlloc(reinterpret_cast<void**>(&report), sizeof(HostReport), cudaHostAllocMapped));
+  void* report_dev = nullptr;
+  CPG_CUDA_OR_THROW(cudaHostGetDevicePointer(&report_dev, report, 0));
+  HostReport* report_on_device = static_cast<HostReport*>(report_dev);
+  const ProtocolSite site{n, 0, &table, &report_on_device->reached, &report_on_device->passed};
+  FusedCall fused{};
+  fused.plan = plan;
+  fused.peers = table;
+  fused.report = report_on_device;
+  fused.shape = fused_shape(OpKind::kGradReturn, plan, block_budget, push_blocks);
+  for (int k = 0; k < 2; ++k) {
+    fused.t.in[k] = static_cast<const char*>(in[k]);
+    fused.t.out[k] = static_cast<char*>(out[k]);
+  }
   cudaStream_t stream;
   CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   uint32_t epoch = 0;
@@ -190,7 +209,8 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
   auto memops = [&] {
     return enqueue_publish_and_wait(site, ++epoch, stream) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
   };
-  auto accumulate = [&] { return launch_accumulate(plan, in, out, table.region[0], stream); };
+  auto accumulate = [&] { return launch_accumulate(plan, in, out, table, stream); };
+  auto fused_call = [&] { return launch_fused(OpKind::kGradReturn, fused, stream); };
   auto measure = [&](const std::function<cudaError_t()>& fn) {
     for (int i = 0; i < 5; ++i) CPG_CUDA_OR_THROW(fn());
     CPG_CUDA_OR_THROW(cudaStreamSynchronize(stream));
@@ -225,8 +245,10 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters) {
   result["scatter_launch"] = measure(scatter);
   result["accumulate_launch"] = measure(accumulate);
   if (n > 1) result["publish_and_wait"] = measure(memops);
+  result["fused_call"] = measure(fused_call);
+  result["fused_blocks"] = fused.shape.push_blocks + fused.shape.finish_blocks;
   cudaStreamDestroy(stream);
-  cudaFreeHost(progress);
+  cudaFreeHost(report);
   return result;
 }
 
@@ -237,7 +259,8 @@ void bind_kernel_bench(nb::module_& m) {
         nb::arg("dtype"), nb::arg("iters") = 20, nb::arg("reps") = 7,
         "Time the transport's kernels for one rank, N writers emulated on this GPU.");
   m.def("call_overhead_bench", &call_overhead_bench, nb::arg("n"), nb::arg("global_bytes") = 4096,
-        nb::arg("iters") = 2000, "Fixed per-call cost for one rank (host enqueue and GPU time).");
+        nb::arg("iters") = 2000, nb::arg("block_budget") = 64, nb::arg("push_blocks") = 32,
+        "Fixed per-call cost for one rank (host enqueue and GPU time), both protocols.");
   m.def("copy_bench", &copy_bench, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters") = 20,
         nb::arg("reps") = 7, "Time a plain copy of `bytes` from GPU src to GPU dst.");
 }

@@ -11,7 +11,7 @@
 #include "cp_layout.h"
 #include "region_layout.h"
 #if JAX_CPGRAD_WITH_CUDA
-#include "workspace_bindings.h"
+#include "bindings/workspace_bindings.h"
 #endif
 
 namespace nb = nanobind;

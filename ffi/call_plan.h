@@ -1,0 +1,52 @@
+// One call of the collective as every kernel sees it: plain values and pointers, no FFI types.
+#pragma once
+
+#include <cstdint>
+
+#include "cp_layout.h"
+#include "region_layout.h"
+
+namespace jax_cpgrad {
+
+enum class OpKind : uint8_t { kGradReturn = 0, kAllGather = 1 };
+inline const char* op_name(OpKind op) { return op == OpKind::kGradReturn ? "grad_return" : "all_gather"; }
+
+enum class ElementType { kF32, kBF16, kF16 };
+
+CPG_HOST_DEVICE inline int64_t element_bytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
+
+struct CallPlan {
+  int64_t n = 1;           // CP size
+  int64_t self = 0;        // this device's CP rank
+  int64_t tensors = 1;     // how many tensors move together
+  int64_t outer = 1;       // see Geometry
+  int64_t run = 0;         // elements of one run
+  int64_t set = 0;         // slot set of this call (epoch parity; the memop protocol's host sets it)
+  int64_t slot_bytes = 0;  // stride between slots
+  ElementType dtype = ElementType::kF32;
+  CPG_HOST_DEVICE int64_t run_bytes() const { return run * element_bytes(dtype); }
+  // One tensor in the local layout [outer, 2, run].
+  CPG_HOST_DEVICE int64_t tensor_bytes() const { return outer * 2 * run_bytes(); }
+  // What one writer sends one owner: every tensor's local share, one after another.
+  CPG_HOST_DEVICE int64_t payload_bytes() const { return tensors * tensor_bytes(); }
+};
+
+struct TensorPtrs {
+  const char* in[kMaxTensors];
+  char* out[kMaxTensors];
+};
+
+// Every rank's shared memory as mapped on this device (raw or IPC pointers); [self] is our own.
+struct PeerTable {
+  char* header[kMaxRanks];
+  char* slots[kMaxRanks];
+};
+
+// The p-th peer (p = 0..N-2) a writer sends to. Rotated by writer, so that at any moment every
+// writer pushes into a different owner: with the same order on every writer all of them pushed
+// into one owner at a time (incast), and 4 H200s reached 145-162 GB/s instead of 228-279.
+CPG_HOST_DEVICE inline int64_t rotated_owner(int64_t self, int64_t n, int64_t p) {
+  return (self + 1 + p) % n;
+}
+
+}  // namespace jax_cpgrad

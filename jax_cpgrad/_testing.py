@@ -1,0 +1,27 @@
+"""Test hooks, available only in test builds of the extension (JAX_CPGRAD_TEST_HOOKS=ON, what
+scripts/setup.sh builds); a production build has none of them.
+
+Both are collective and must run on every process right after the workspace is created, before
+any call on it.
+"""
+
+from __future__ import annotations
+
+from ._native import HAS_TEST_HOOKS
+
+
+def _native(ws):
+    if not HAS_TEST_HOOKS:
+        raise RuntimeError("this jax_cpgrad build has no test hooks: rebuild with JAX_CPGRAD_TEST_HOOKS=ON")
+    return ws._native
+
+
+def set_epoch(ws, epoch: int) -> None:
+    """Start the workspace's epochs at ``epoch`` (the wrap test starts just below 2^32)."""
+    _native(ws).test_set_epoch(epoch % 2**32)
+
+
+def remove_war_protection(ws) -> None:
+    """Every call uses slot set 0: the write-after-read protection is gone (the race test's
+    negative control shows that results then go wrong)."""
+    _native(ws).test_set_single_buffer(True)

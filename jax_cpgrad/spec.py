@@ -1,0 +1,49 @@
+"""What a call needs to know of its workspace: a small immutable description.
+
+The API checks every call against it at trace time and lowers the call with it; a
+:class:`jax_cpgrad.Workspace` has one (``ws.spec``). Being plain data, it also lets code be traced
+and lowered for GPUs on machines that have none (the lowering tests do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._native import TARGETS
+
+PROTOCOLS = ("device", "memop")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceSpec:
+    """id: the native workspace's id (an attribute of every call); name: for messages; axis_name
+    and n: the mesh axis and its size; nbytes: the most bytes one call moves per device, in local
+    shapes; protocol: "device" (one fused kernel, device-resident epochs, CUDA-graph capturable)
+    or "memop" (stream memory operations; for ranks that share a GPU)."""
+
+    id: int
+    name: str
+    axis_name: str
+    n: int
+    nbytes: int
+    protocol: str
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+
+    def target(self, op: str) -> tuple[str, bool]:
+        """(FFI target name, has_side_effect) of ``op`` ("grad_return" or "all_gather")."""
+        return TARGETS[(op, self.protocol)]
+
+    def check_call(self, axis_name: str, n: int, nbytes: int, op: str) -> None:
+        """ValueError at trace time for a call this workspace cannot serve."""
+        if axis_name != self.axis_name:
+            raise ValueError(f"jax_cpgrad.{op}: axis_name {axis_name!r} but workspace '{self.name}' "
+                             f"was created for axis {self.axis_name!r}")
+        if n != self.n:
+            raise ValueError(f"jax_cpgrad.{op}: the {axis_name!r} axis has {n} devices but workspace "
+                             f"'{self.name}' was created for {self.n}")
+        if nbytes > self.nbytes:
+            raise ValueError(f"jax_cpgrad.{op}: this call moves {nbytes} bytes per device (local shapes) "
+                             f"but workspace '{self.name}' holds {self.nbytes}: create it with a larger nbytes")
