@@ -1,0 +1,892 @@
+"""A whole context-parallel training step, timed end to end: a stack of transformer layers in
+all-gather CP, bf16, forward and full backward, with the K/V gather and the dK/dV return on each
+transport side by side (same parameters, same data).
+
+    python benchmarks/cp_step.py --seq 8k 16k --hidden 2048 --kv-heads mha 4 --transport xla peer none
+    python -m jax_cpgrad.launch -n 2 benchmarks/cp_step.py ...      # one process per GPU
+    python benchmarks/cp_step.py --cpu --seq 256 --hidden 64 --heads 4 --layers 2   # CPU smoke run
+    python benchmarks/cp_step.py --precision --seq 4k --hidden 1024 --heads 8       # errors vs fp32
+
+Layout: CP rank r of N holds sequence chunks r and 2N-1-r (S/(2N) tokens each). Each layer:
+RMSNorm, Q/K/V projections (MHA or GQA), K and V gathered with
+``jax_cpgrad.all_gather((k, v), axis_name="cp", seq_axis=1, workspace=ws)`` (its VJP returns dK/dV
+with ``grad_return``: the op this measures), causal attention of the local queries against the
+gathered keys (benchmarks/cp_attention.py: --attention xla|mask|split), output projection,
+residual, RMSNorm, GELU MLP, residual. Loss: mean of squares of the final hidden state.
+Parameters are float32 master weights used in --dtype (bf16); ``jax.value_and_grad`` over all of
+them inside ``jax.shard_map`` over the 1-D mesh axis "cp", one jitted step returning loss and grads.
+
+Transports: ``xla`` (no workspace: reorder + all_gather / psum_scatter, i.e. NCCL on GPUs),
+``peer`` (a ``jax_cpgrad.Workspace``; --protocol, several protocols give one row each), ``none``
+(the same shapes without communication: the gather becomes a local tile of K/V to the global
+length, whose transpose is a local sum of slices). Communication share = step(transport) -
+step(none). Per config and transport: median step time and spread, tokens/s, XLA's memory
+estimate for the step and the device's peak bytes, the workspace's own bytes.
+
+--precision: instead of timing, one step of a small config per transport in --dtype against the
+same model unsharded on one device in float32: errors of the loss, of dK/dV as they arrive at the
+owner (the gradient w.r.t. the local K and V) and of the parameter gradients.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP (multicast) off: see KINDS.md
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import platform as platform_mod  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cp_attention as cpa  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_cpgrad as cpg  # noqa: E402
+
+AXIS = "cp"
+TRANSPORTS = ("xla", "peer", "none")
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    seq: int
+    batch: int = 1
+    dtype: str = "bfloat16"  # activations, K/V and their gradients; parameters stay float32
+    attention: str = "xla"  # xla | mask | split (benchmarks/cp_attention.py)
+    backend: str = "xla"  # cudnn | xla: how `mask` and the parts of `split` run
+
+    def kv_local_bytes(self, n: int) -> int:
+        """Bytes of one layer's local K and V: the workspace capacity (one serves all layers)."""
+        return (
+            2 * self.batch * (self.seq // n) * self.kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        )
+
+    def label(self) -> str:
+        kv = "MHA" if self.kv_heads == self.heads else f"GQA{self.kv_heads}"
+        return (
+            f"S={human_tokens(self.seq)} h={self.hidden} {self.heads}x{self.head_dim} {kv} {self.attention}"
+        )
+
+
+def parse_tokens(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    t = str(text).strip()
+    return int(float(t[:-1]) * units[t[-1].upper()]) if t[-1].upper() in units else int(t)
+
+
+def human_tokens(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}k" if n % (1 << 10) == 0 else str(n)
+
+
+def param_specs(cfg: Config) -> list[dict]:
+    """Per layer: name -> (shape, init scale; None means ones)."""
+    h, qd, kd = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return [
+        {
+            "norm1": ((h,), None),
+            "wq": ((h, qd), h**-0.5),
+            "wk": ((h, kd), h**-0.5),
+            "wv": ((h, kd), h**-0.5),
+            "wo": ((qd, h), qd**-0.5),
+            "norm2": ((h,), None),
+            "w1": ((h, cfg.ffn), h**-0.5),
+            "w2": ((cfg.ffn, h), cfg.ffn**-0.5),
+        }
+        for _ in range(cfg.layers)
+    ]
+
+
+def init_params_numpy(cfg: Config, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    make = lambda shape, scale: (
+        np.ones(shape, np.float32)
+        if scale is None
+        else (rng.standard_normal(shape) * scale).astype(np.float32)
+    )
+    return [{name: make(*spec) for name, spec in layer.items()} for layer in param_specs(cfg)]
+
+
+def init_params_device(mesh, cfg: Config, seed: int):
+    """Random parameters generated on the devices, replicated (any process count, no host copy)."""
+    specs = param_specs(cfg)
+
+    def make(key):
+        out = []
+        for i, layer in enumerate(specs):
+            keys = jax.random.split(jax.random.fold_in(key, i), len(layer))
+            out.append(
+                {
+                    name: jnp.ones(shape, jnp.float32)
+                    if scale is None
+                    else jax.random.normal(k, shape, jnp.float32) * scale
+                    for k, (name, (shape, scale)) in zip(keys, layer.items(), strict=True)
+                }
+            )
+        return out
+
+    return jax.jit(make, out_shardings=NamedSharding(mesh, P()))(jax.random.key(seed))
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def rms_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+
+
+def forward_loss_sum(params, x, probes, cfg: Config, attend, gather, gathered_probes=()):
+    """Sum of squares of the final hidden state of the given (local) tokens, float32.
+
+    gather(k, v) -> (k_all, v_all); attend(q, k, v, k_all, v_all) -> [B, s, H, D]. probes: per
+    layer (pk, pv) zeros added to the local K and V after the projection (their gradient is dK/dV
+    as the owner gets it), or empty. gathered_probes: the same for the gathered K and V (their
+    gradient is what this rank hands to grad_return), or empty.
+    """
+    dt = jnp.dtype(cfg.dtype)
+    b, s, _ = x.shape
+    for i, p in enumerate(params):
+        h = rms_norm(x, p["norm1"])
+        q = (h @ p["wq"].astype(dt)).reshape(b, s, cfg.heads, cfg.head_dim)
+        k = (h @ p["wk"].astype(dt)).reshape(b, s, cfg.kv_heads, cfg.head_dim)
+        v = (h @ p["wv"].astype(dt)).reshape(b, s, cfg.kv_heads, cfg.head_dim)
+        if probes:
+            k, v = k + probes[i][0], v + probes[i][1]
+        k_all, v_all = gather(k, v)
+        if gathered_probes:
+            k_all, v_all = k_all + gathered_probes[i][0], v_all + gathered_probes[i][1]
+        a = attend(q, k, v, k_all, v_all)
+        x = x + a.reshape(b, s, -1) @ p["wo"].astype(dt)
+        h = rms_norm(x, p["norm2"])
+        x = x + jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
+def loss_count(cfg: Config) -> int:
+    return cfg.batch * cfg.seq * cfg.hidden
+
+
+def reference_loss_and_grads(params, x, probes, cfg: Config):
+    """The unsharded model (natural order, plain attention) on the default device:
+    (mean loss, parameter grads, probe grads = dK/dV per layer)."""
+    attend = lambda q, k, v, k_all, v_all: cpa.reference_attention(q, k_all, v_all)
+    gather = lambda k, v: (k, v)
+
+    def mean_loss(p, pr):
+        return forward_loss_sum(p, x, pr, cfg, attend, gather) / loss_count(cfg)
+
+    return jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(params, probes)
+
+
+def make_gather(transport: str, n: int, workspace):
+    if transport == "none":
+        # Same shapes, no communication: tile the local K/V to the global length. Its transpose
+        # (autodiff) sums the N slices locally: the stand-in for grad_return.
+        tile = lambda x: jnp.concatenate([x] * n, axis=1)
+        return lambda k, v: (tile(k), tile(v))
+    ws = workspace if transport == "peer" else None
+    return lambda k, v: cpg.all_gather((k, v), axis_name=AXIS, seq_axis=1, workspace=ws)
+
+
+def make_step(cfg: Config, mesh, transport: str, workspace=None):
+    """jit(shard_map(step)): step(params, x, probes, gathered_probes) -> (mean loss, parameter
+    grads, probe grads, gathered-probe grads).
+
+    params replicated; x [B, S, hidden] in CP layout sharded on dim 1. The probes (zeros) only
+    serve --precision; the timing passes [] for both. probes: per layer (pk, pv) [B, S, Hk, D] in
+    CP layout sharded on dim 1 (gradient: dK/dV of the local keys). gathered_probes: per layer
+    (gk, gv) [N, B, S, Hk, D] sharded on dim 0, rank r's added to its gathered K/V in natural
+    order (gradient: rank r's contribution to the dK/dV return).
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "peer" and workspace is None:
+        raise ValueError("the peer transport needs a workspace")
+    n = mesh.shape[AXIS]
+    gather = make_gather(transport, n, workspace)
+
+    def body(params, x, probes, gathered_probes):
+        rank = jax.lax.axis_index(AXIS)
+        attend = cpa.make_cp_attention(cfg.attention, cfg.backend, rank, n, cfg.seq)
+
+        def local_loss(p, pr, gpr):  # this rank's share of the global mean
+            gpr = [(gk[0], gv[0]) for gk, gv in gpr]
+            return forward_loss_sum(p, x, pr, cfg, attend, gather, gpr) / loss_count(cfg)
+
+        loss, (grads, probe_grads, gathered_probe_grads) = jax.value_and_grad(local_loss, argnums=(0, 1, 2))(
+            params, probes, gathered_probes
+        )
+        # The parameter gradients are per-rank partial sums: all-reduce them with psum, on every
+        # transport (NCCL on GPUs, for the peer transport too). That choice is deliberate: this
+        # benchmark measures the K/V gather and the dK/dV return (jax_cpgrad), not the optimizer's
+        # all-reduce, and it keeps that part identical across the transports compared.
+        return jax.lax.psum(loss, AXIS), jax.lax.psum(grads, AXIS), probe_grads, gathered_probe_grads
+
+    # check_vma=False: parameters enter replicated and their gradients stay per-rank partial
+    # sums until the explicit psum above (no implicit reduction is inserted).
+    step = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(AXIS)),
+        out_specs=(P(), P(), P(None, AXIS), P(AXIS)),
+        check_vma=False,
+    )
+    return jax.jit(step)
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def place(mesh, array: np.ndarray, spec):
+    """A global array from the same host array on every process."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
+
+
+def random_hidden(mesh, cfg: Config, seed: int):
+    """Random input hidden states [B, S, hidden] generated on the devices, sharded on the sequence
+    (values do not matter for timing; any process count)."""
+    shape, dt = (cfg.batch, cfg.seq, cfg.hidden), jnp.dtype(cfg.dtype)
+    make = lambda key: jax.random.normal(key, shape, jnp.float32).astype(dt)
+    return jax.jit(make, out_shardings=NamedSharding(mesh, P(None, AXIS)))(jax.random.key(seed + 1))
+
+
+def to_host(x) -> np.ndarray:
+    """The whole global array as numpy on this process (any process count)."""
+    if jax.process_count() == 1 or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def local_scalar(x) -> float:
+    return float(np.asarray(x.addressable_data(0)))
+
+
+# -- workspace -----------------------------------------------------------------------------------
+
+
+def make_workspace(mesh, nbytes: int, protocol: str):
+    """cpg.Workspace for the peer transport. `protocol` is passed only when this jax_cpgrad's
+    Workspace takes it (the keyword is new); "auto" then means its default."""
+    kwargs = {}
+    if "protocol" in inspect.signature(cpg.Workspace).parameters:
+        kwargs["protocol"] = protocol
+    elif protocol != "auto":
+        raise ValueError(f"this jax_cpgrad's Workspace has no protocol argument (asked for {protocol!r})")
+    return cpg.Workspace(mesh, AXIS, nbytes=int(nbytes), name="cp_step", **kwargs)
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+
+def _memory_analysis(compiled) -> dict:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return {}
+    if m is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    out = {f: int(getattr(m, f, 0) or 0) for f in fields}
+    out["xla_peak_bytes_estimate"] = (
+        out["argument_size_in_bytes"]
+        + out["output_size_in_bytes"]
+        + out["temp_size_in_bytes"]
+        - out["alias_size_in_bytes"]
+    )
+    return out
+
+
+def device_memory() -> dict:
+    """The first local device's allocator counters (None on the CPU). peak_bytes_in_use is the
+    peak since the process started, not per config."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:
+        stats = None
+    if not stats:
+        return {"peak_bytes_in_use": None, "bytes_in_use": None, "bytes_limit": None}
+    return {k: stats.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")}
+
+
+def time_step(step, args, steps: int, warmup: int) -> dict:
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    mem = _memory_analysis(compiled)
+    out = None
+    for _ in range(max(warmup, 1)):  # at least one: the first call allocates and loads kernels
+        out = jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    loss = local_scalar(out[0])
+    del out, compiled
+    t = np.asarray(times)
+    return {
+        "median_s": float(np.median(t)),
+        "min_s": float(t.min()),
+        "max_s": float(t.max()),
+        "p10_s": float(np.percentile(t, 10)),
+        "p90_s": float(np.percentile(t, 90)),
+        "steps": steps,
+        "compile_s": compile_s,
+        "loss": loss,
+        "times_s": [float(x) for x in t],
+        **mem,
+    }
+
+
+# -- the runs --------------------------------------------------------------------------------------
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048], help="d_model; a list runs each")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default hidden / head-dim)")
+    p.add_argument("--kv-heads", nargs="+", default=["mha"], help="KV heads: ints or 'mha' (= heads); a list")
+    p.add_argument("--head-dim", type=int, default=None, help="default hidden/heads, or 128 without --heads")
+    p.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
+    p.add_argument("--seq", nargs="+", default=["8k"], help="global sequence lengths (8k, 16k, 1M, ...)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--n", type=int, default=None, help="CP size (default: every device)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        default=None,
+        choices=TRANSPORTS,
+        help="default: xla peer none (peer only on GPUs with the CUDA build)",
+    )
+    p.add_argument(
+        "--protocol",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "device", "memop"],
+        help="peer transport protocol(s): one row each",
+    )
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        default=None,
+        choices=cpa.KINDS,
+        help="default: mask on GPUs, xla elsewhere; a list runs each",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cudnn", "xla"],
+        help="how mask/split run: cudnn on GPUs (auto), xla (jnp) elsewhere",
+    )
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no new config after this many seconds (what finished is still written)",
+    )
+    p.add_argument(
+        "--precision", action="store_true", help="errors vs a float32 unsharded reference, no timing"
+    )
+    p.add_argument(
+        "--no-attention-check",
+        action="store_true",
+        help="skip the startup check of the cuDNN attention paths against float32",
+    )
+    p.add_argument("--cpu", action="store_true", help="8 CPU devices")
+    p.add_argument("--json", default="cp_step.json")
+    p.add_argument("--png", default="cp_step.png")
+    return p.parse_args(argv)
+
+
+def configs(opts, on_gpu: bool) -> list[Config]:
+    attentions = opts.attention or (["mask"] if on_gpu else ["xla"])
+    backend = opts.attention_backend if opts.attention_backend != "auto" else ("cudnn" if on_gpu else "xla")
+    out = []
+    for seq_text in opts.seq:  # sequence outermost: a time budget cuts the longest ones
+        for hidden in opts.hidden:
+            if opts.heads:
+                heads, head_dim = opts.heads, opts.head_dim or hidden // opts.heads
+            else:
+                head_dim = opts.head_dim or 128
+                heads = hidden // head_dim
+            for kv_text in opts.kv_heads:
+                kv = heads if str(kv_text).lower() == "mha" else int(kv_text)
+                if kv <= 0 or heads % kv:
+                    raise SystemExit(f"--kv-heads {kv_text}: must divide the {heads} query heads")
+                for attention in attentions:
+                    out.append(
+                        Config(
+                            layers=opts.layers,
+                            hidden=hidden,
+                            heads=heads,
+                            kv_heads=kv,
+                            head_dim=head_dim,
+                            ffn=opts.ffn or 4 * hidden,
+                            seq=parse_tokens(seq_text),
+                            batch=opts.batch,
+                            dtype=opts.dtype,
+                            attention=attention,
+                            backend=backend,
+                        )
+                    )
+    return out
+
+
+def transports_to_run(opts, on_gpu: bool, has_cuda: bool, say) -> list[tuple[str, str, str | None]]:
+    """(row name, transport, protocol); `none` first, so every later row can show its comm share."""
+    peer_ok = on_gpu and has_cuda
+    wanted = opts.transport or (["xla", "peer", "none"] if peer_ok else ["xla", "none"])
+    out = []
+    for t in sorted(dict.fromkeys(wanted), key=lambda t: t != "none"):
+        if t == "peer" and not peer_ok:
+            say("peer transport skipped: it needs GPUs and jax_cpgrad built with CUDA")
+        elif t == "peer":
+            protocols = list(dict.fromkeys(opts.protocol))
+            out += [("peer" if len(protocols) == 1 else f"peer-{p}", "peer", p) for p in protocols]
+        else:
+            out.append((t, t, None))
+    return out
+
+
+def _collective_flag(flag: bool) -> bool:
+    """Process 0's decision, on every process (so all of them stop at the same config)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def _free_memory():
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
+def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
+    n = mesh.shape[AXIS]
+    if cfg.seq % (2 * n):
+        raise ValueError(f"sequence {cfg.seq} is not divisible by 2N = {2 * n}")
+    params = init_params_device(mesh, cfg, opts.seed)
+    x = random_hidden(mesh, cfg, opts.seed)
+    rows, none_s = [], None
+    for name, transport, protocol in transports:
+        row = {
+            **dataclasses.asdict(cfg),
+            "n": n,
+            "transport": name,
+            "protocol": protocol,
+            "tokens_per_step": cfg.batch * cfg.seq,
+            "workspace_nbytes": None,
+            "workspace_bytes_per_device": None,
+        }
+        ws = None
+        try:
+            if transport == "peer":
+                row["workspace_nbytes"] = cfg.kv_local_bytes(n)
+                ws = make_workspace(mesh, cfg.kv_local_bytes(n), protocol)
+                row["workspace_bytes_per_device"] = int(ws.bytes_per_device)
+                spec = getattr(ws, "spec", None)  # what "auto" chose, where this jax_cpgrad tells
+                row["workspace_protocol"] = getattr(spec, "protocol", None) or getattr(ws, "protocol", None)
+            row.update(
+                time_step(make_step(cfg, mesh, transport, ws), (params, x, [], []), opts.steps, opts.warmup)
+            )
+            if ws is not None:
+                ws.check()  # a peer that timed out poisons the workspace: fail the row, not silently
+            row["tokens_per_s"] = row["tokens_per_step"] / row["median_s"]
+            if transport == "none":
+                none_s = row["median_s"]
+            if none_s is not None and transport != "none":
+                row["comm_s"] = row["median_s"] - none_s
+                row["comm_fraction"] = row["comm_s"] / row["median_s"]
+        except Exception as err:  # one failing row (e.g. out of memory) must not end the grid
+            row["error"] = f"{type(err).__name__}: {err}"[:3000]
+        finally:
+            if ws is not None:
+                ws.close()
+            _free_memory()
+        row.update(device_memory())
+        rows.append(row)
+        say(format_row(row))
+    del params, x
+    _free_memory()
+    return rows
+
+
+HEADER = (
+    f"{'config':<40} | {'transport':<11} {'ms/step':>9} {'p10-p90 ms':>17} {'Ktok/s':>8} "
+    f"{'comm ms':>8} {'comm %':>6} {'XLA GiB':>8} {'peak GiB':>8} {'ws MiB':>7}"
+)
+
+
+def format_row(row: dict) -> str:
+    cfg = Config(**{f.name: row[f.name] for f in dataclasses.fields(Config)})
+    head = f"{cfg.label():<40} | {row['transport']:<11}"
+    if "error" in row:
+        return f"{head} FAILED: {row['error'].splitlines()[0][:200]}"
+    gib = lambda b: f"{b / 2**30:.1f}" if b else "-"
+    comm = row.get("comm_s")
+    comm_ms = f"{comm * 1e3:.2f}" if comm is not None else "-"
+    comm_pct = f"{100 * row['comm_fraction']:.1f}" if comm is not None else "-"
+    spread = f"{row['p10_s'] * 1e3:.2f}-{row['p90_s'] * 1e3:.2f}"
+    ws = row.get("workspace_bytes_per_device")
+    ws_mib = f"{ws / 2**20:.0f}" if ws else "-"
+    return (
+        f"{head} {row['median_s'] * 1e3:>9.2f} {spread:>17} {row['tokens_per_s'] / 1e3:>8.1f} "
+        f"{comm_ms:>8} {comm_pct:>6} {gib(row.get('xla_peak_bytes_estimate')):>8} "
+        f"{gib(row.get('peak_bytes_in_use')):>8} {ws_mib:>7}"
+    )
+
+
+def attention_checks(cfgs, n: int, say) -> dict:
+    """Each cuDNN attention kind against float32 at a small size, before anything is timed."""
+    out = {}
+    for cfg in cfgs:
+        key = f"{cfg.attention}/{cfg.backend} H={cfg.heads} Hk={cfg.kv_heads} D={cfg.head_dim}"
+        if cfg.backend != "cudnn" or cfg.attention == "xla" or key in out:
+            continue
+        try:
+            errs = cpa.check_against_dense(
+                cfg.attention,
+                cfg.backend,
+                n,
+                heads=cfg.heads,
+                kv_heads=cfg.kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=jnp.dtype(cfg.dtype),
+            )
+            worst = max(errs.values())
+            errs["ok"] = worst < 0.05  # bf16 inputs and outputs: a few 1e-3 expected
+            say(
+                f"attention check {key}: max error relative to max |ref|: "
+                + ", ".join(f"{k} {v:.1e}" for k, v in errs.items() if k != "ok")
+                + ("" if errs["ok"] else "   <-- WRONG: do not trust the timings of this attention")
+            )
+        except Exception as err:
+            errs = {"ok": False, "error": f"{type(err).__name__}: {err}"[:3000]}
+            say(f"attention check {key}: FAILED: {errs['error'].splitlines()[0][:300]}")
+        out[key] = errs
+    return out
+
+
+def run_timing(opts, mesh, say, meta) -> list[dict]:
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    from jax_cpgrad._native import HAS_CUDA
+
+    cfgs = configs(opts, on_gpu)
+    transports = transports_to_run(opts, on_gpu, HAS_CUDA, say)
+    meta["transports"] = [t[0] for t in transports]
+    if not opts.no_attention_check and jax.process_index() == 0:
+        meta["attention_check"] = attention_checks(cfgs, mesh.shape[AXIS], say)
+    say(
+        f"{len(cfgs)} config(s) x {len(transports)} transport(s), {opts.layers} layer(s), {opts.steps} steps "
+        f"after {opts.warmup} warm-up"
+        + (f", time budget {opts.time_budget_s:.0f} s" if opts.time_budget_s else "")
+    )
+    say(HEADER)
+    rows, start = [], time.perf_counter()
+    meta["skipped_configs"] = []
+    for i, cfg in enumerate(cfgs):
+        over = opts.time_budget_s is not None and time.perf_counter() - start > opts.time_budget_s
+        if _collective_flag(over):
+            meta["skipped_configs"] = [dataclasses.asdict(c) for c in cfgs[i:]]
+            say(f"time budget of {opts.time_budget_s:.0f} s spent: {len(cfgs) - i} config(s) not started")
+            break
+        rows += run_config(cfg, mesh, transports, opts, say)
+        if jax.process_index() == 0:
+            write_json(opts.json, meta, rows)  # after every config: partial results survive
+    meta["elapsed_s"] = time.perf_counter() - start
+    return rows
+
+
+def _errors(got: np.ndarray, ref: np.ndarray) -> dict:
+    d = np.asarray(got, np.float64) - np.asarray(ref, np.float64)
+    ref_rms = float(np.sqrt(np.mean(np.square(np.asarray(ref, np.float64)))))
+    rms = float(np.sqrt(np.mean(d * d)))
+    return {
+        "max_abs": float(np.max(np.abs(d))),
+        "rms": rms,
+        "ref_rms": ref_rms,
+        "rel_rms": rms / ref_rms if ref_rms else None,
+    }
+
+
+def _return_errors(returned: np.ndarray, contributions: np.ndarray, dtype) -> dict:
+    """The dK/dV return on its own: what the owners got vs the exact sum of the N ranks' own
+    contributions (float64), and the fraction of elements that differ from that exact sum
+    correctly rounded to the dtype (0 for a float32 accumulation rounded once)."""
+    exact = np.sum(np.asarray(contributions, np.float64), axis=0)
+    rounded = np.asarray(jnp.asarray(exact.astype(np.float32), dtype), np.float64)
+    out = _errors(returned, exact)
+    out["not_correctly_rounded"] = float(np.mean(np.asarray(returned, np.float64) != rounded))
+    return out
+
+
+def run_precision(opts, mesh, say, meta) -> list[dict]:
+    """One step of the first config per exact transport (not `none`) against the same model in
+    float32 on one device. Reports errors of the loss, of dK/dV as the owners get them (gradient
+    w.r.t. the local K/V), of the parameter gradients, and, with --attention xla or mask (where the
+    local K/V reach the loss only through the gather), of the dK/dV return itself."""
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    from jax_cpgrad._native import HAS_CUDA
+
+    n = mesh.shape[AXIS]
+    cfg = configs(opts, on_gpu)[0]
+    transports = [t for t in transports_to_run(opts, on_gpu, HAS_CUDA, say) if t[1] != "none"]
+    meta["transports"] = [t[0] for t in transports]
+    say(f"precision: {cfg.label()}, {cfg.layers} layer(s), {cfg.dtype} on N={n} vs float32 unsharded")
+    rng = np.random.default_rng(opts.seed)
+    params_np = init_params_numpy(cfg, opts.seed)
+    dt = jnp.dtype(cfg.dtype)
+    # The input rounded to the run's dtype, for both: only the computation's errors count.
+    x_np = np.asarray(jnp.asarray(rng.standard_normal((cfg.batch, cfg.seq, cfg.hidden)), dt), np.float32)
+    kv_shape = (cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim)
+    dev = jax.local_devices()[0]
+    zeros32 = [(np.zeros(kv_shape, np.float32),) * 2 for _ in range(cfg.layers)]
+    ref_loss, (ref_g, ref_pg) = reference_loss_and_grads(
+        jax.device_put(params_np, dev),
+        jax.device_put(x_np, dev),
+        jax.device_put(zeros32, dev),
+        dataclasses.replace(cfg, dtype="float32"),
+    )
+    ref_loss, ref_g, ref_pg = (
+        float(ref_loss),
+        jax.tree.map(np.asarray, ref_g),
+        jax.tree.map(np.asarray, ref_pg),
+    )
+    params = jax.tree.map(lambda a: place(mesh, a, P()), params_np)
+    x = place(mesh, np.asarray(cpg.to_cp_layout(x_np, n, seq_axis=1)).astype(dt), P(None, AXIS))
+    local_zeros = lambda: place(mesh, np.zeros(kv_shape, dt), P(None, AXIS))
+    gathered_zeros = lambda: place(mesh, np.zeros((n, *kv_shape), dt), P(AXIS))
+    probes = [(local_zeros(), local_zeros()) for _ in range(cfg.layers)]
+    gathered = [(gathered_zeros(), gathered_zeros()) for _ in range(cfg.layers)]
+    return_measurable = cfg.attention in (
+        "xla",
+        "mask",
+    )  # split's diagonal blocks read the local K/V directly
+    flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
+    rows, first_dkdv = [], None
+    for name, transport, protocol in transports:
+        row = {
+            **dataclasses.asdict(cfg),
+            "n": n,
+            "transport": name,
+            "protocol": protocol,
+            "reference_loss": ref_loss,
+        }
+        ws = None
+        try:
+            if transport == "peer":
+                ws = make_workspace(mesh, cfg.kv_local_bytes(n), protocol)
+            loss, grads, probe_grads, gathered_grads = make_step(cfg, mesh, transport, ws)(
+                params, x, probes, gathered
+            )
+            loss = local_scalar(loss)
+            grads = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), grads)
+            natural = lambda a: np.asarray(cpg.from_cp_layout(to_host(a).astype(np.float32), n, seq_axis=1))
+            dkdv = [np.stack([natural(layer[i]) for layer in probe_grads]) for i in range(2)]
+            if ws is not None:
+                ws.check()
+            row["loss"] = {
+                "value": loss,
+                "abs_err": abs(loss - ref_loss),
+                "rel_err": abs(loss - ref_loss) / abs(ref_loss),
+            }
+            for i, q in enumerate(("dk", "dv")):
+                row[q] = _errors(dkdv[i], np.stack([layer[i] for layer in ref_pg]))
+                if return_measurable:
+                    contributions = np.stack(
+                        [to_host(layer[i]).astype(np.float32) for layer in gathered_grads], 1
+                    )
+                    row[f"{q}_return"] = _return_errors(
+                        dkdv[i], contributions, dt
+                    )  # [N, layers, ...] summed over N
+            for w in ("wk", "wv"):
+                row[f"grad_{w}"] = _errors(flat([g[w] for g in grads]), flat([g[w] for g in ref_g]))
+            row["grad_all_params"] = _errors(flat(grads), flat(ref_g))
+            if first_dkdv is None:
+                first_dkdv = (name, dkdv)
+            else:  # same data, same model: how far apart the transports' dK/dV are
+                row[f"dkdv_max_abs_diff_vs_{first_dkdv[0]}"] = float(
+                    max(np.max(np.abs(dkdv[i] - first_dkdv[1][i])) for i in range(2))
+                )
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:3000]
+        finally:
+            if ws is not None:
+                ws.close()
+        rows.append(row)
+    say(
+        f"{'transport':<11} {'quantity':<16} {'max abs err':>12} {'rms err':>10} {'rms ref':>10} "
+        f"{'rel rms':>9}  {'not correctly rounded':>21}"
+    )
+    for row in rows:
+        if "error" in row:
+            say(f"{row['transport']:<11} FAILED: {row['error'].splitlines()[0][:300]}")
+            continue
+        lo = row["loss"]
+        say(
+            f"{row['transport']:<11} {'loss':<16} {lo['abs_err']:>12.3e} {'':>10} {abs(ref_loss):>10.3e} "
+            f"{lo['rel_err']:>9.2e}"
+        )
+        for q in ("dk", "dv", "dk_return", "dv_return", "grad_wk", "grad_wv", "grad_all_params"):
+            if q not in row:
+                continue
+            e = row[q]
+            wrong = f"{100 * e['not_correctly_rounded']:.3f}%" if "not_correctly_rounded" in e else ""
+            say(
+                f"{row['transport']:<11} {q:<16} {e['max_abs']:>12.3e} {e['rms']:>10.3e} "
+                f"{e['ref_rms']:>10.3e} {e['rel_rms']:>9.2e}  {wrong:>21}"
+            )
+        for k, v in row.items():
+            if k.startswith("dkdv_max_abs_diff"):
+                say(f"{row['transport']:<11} {k}: {v:.3e}")
+    say(
+        "dk/dv, grad_*: vs the float32 unsharded model (dominated by the bf16 computation); "
+        "dk_return/dv_return: what the owners got vs the exact sum of the ranks' own contributions "
+        "(the return alone)"
+    )
+    if not return_measurable:
+        say("(no dk_return with --attention split: its diagonal blocks add to dK/dV outside the return)")
+    if n == 2:
+        say(
+            "note: with N=2 each sum has two terms, exact in float32, so one bf16 add and a float32 add "
+            "rounded once agree: the transports can differ only from N=3 on"
+        )
+    return rows
+
+
+def write_json(path: str, meta: dict, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1, default=str)
+
+
+def write_png(path: str, meta: dict, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install jax_cpgrad[bench])")
+        return
+    ok = [r for r in rows if "median_s" in r]
+    group_of = lambda r: (r["hidden"], r["heads"], r["kv_heads"], r["attention"], r["layers"], r["batch"])
+    groups = list(dict.fromkeys(group_of(r) for r in ok))
+    if not groups:
+        print("no finished row: no plot")
+        return
+    cols = min(3, len(groups))
+    rows_n = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 4 * rows_n), squeeze=False)
+    for ax, g in zip(axes.flat, groups, strict=False):  # spare axes are turned off
+        pts = [r for r in ok if group_of(r) == g]
+        for t in dict.fromkeys(r["transport"] for r in pts):
+            sel = sorted((r["seq"], r["median_s"] * 1e3) for r in pts if r["transport"] == t)
+            ax.plot([s for s, _ in sel], [m for _, m in sel], marker="o", label=t)
+        hidden, heads, kv, attention, layers, batch = g
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("global sequence length (tokens)")
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(f"h={hidden} H={heads} Hk={kv} {attention}, {layers} layers, N={meta['n']}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.axis("off")
+    fig.suptitle(f"CP training step, {meta['device_kind']}, jax {meta['jax']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    opts = _parse(argv)
+    if "JAX_CPGRAD_COORDINATOR" in os.environ:
+        from jax_cpgrad import launch
+
+        if opts.cpu:  # one CPU device per process; collectives between the processes over gloo
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        launch.initialize()
+    elif opts.cpu:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    devices = jax.devices()
+    n = opts.n or len(devices)
+    mesh = Mesh(np.array(devices[:n]), (AXIS,))
+    me = jax.process_index()
+    say = (lambda *a: print(*a, flush=True)) if me == 0 else (lambda *a: None)
+    if devices[0].platform == "gpu" and jax.process_count() > 1:
+        from jax_cpgrad import launch
+
+        if launch.ranks_share_gpu():
+            say(
+                "ERROR: the processes share one GPU; the step's parameter all-reduce (psum) needs NCCL, "
+                "which refuses that mode. Run with one GPU per process."
+            )
+            return 2
+    meta = {
+        "benchmark": "cp_step",
+        "mode": "precision" if opts.precision else "timing",
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform_mod.node(),
+        "device_kind": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "jax": jax.__version__,
+        "n": n,
+        "processes": jax.process_count(),
+        "options": vars(opts),
+    }
+    say(
+        f"cp_step: N={n} on {devices[0].device_kind} ({jax.process_count()} process(es)), "
+        f"jax {jax.__version__}"
+    )
+    rows = run_precision(opts, mesh, say, meta) if opts.precision else run_timing(opts, mesh, say, meta)
+    if me == 0:
+        write_json(opts.json, meta, rows)
+        print(f"wrote {opts.json}")
+        if not opts.precision:
+            print(HEADER)
+            for row in rows:
+                print(format_row(row))
+            write_png(opts.png, meta, rows)
+    sys.stdout.flush()
+    if jax.process_count() > 1:
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
