@@ -1,0 +1,376 @@
+"""benchmarks/cp_step.py and cp_attention.py on the CPU: the three attentions are exact, the CP
+step equals the unsharded model, the cuDNN/peer paths lower for CUDA, and the script runs.
+
+Tolerances (float32 on the CPU): attention outputs and gradients within 1e-5 of the largest
+reference magnitude (observed <= 7e-7); the CP step's loss within 1e-6 relative (observed 1e-7)
+and its gradients (parameters, and dK/dV of every layer) within 2e-5 of the largest reference
+magnitude (observed <= 7e-7).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import cp_attention as cpa  # noqa: E402
+import cp_step as cs  # noqa: E402
+
+import jax_cpgrad as cpg  # noqa: E402
+
+XLA_KV_COLLECTIVES = re.compile(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)")
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices("cpu")[:n]), ("cp",))
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind,n,heads,kv_heads",
+    [
+        ("split", 1, 4, 4),
+        ("split", 2, 4, 4),
+        ("split", 3, 4, 1),
+        ("split", 4, 4, 2),
+        ("mask", 4, 4, 2),
+    ],
+)
+def test_attention_equals_dense_causal_attention_for_every_rank(kind, n, heads, kv_heads):
+    # Outputs for every rank's queries and gradients of q, k, v (the ranks' dK/dV summed), float32,
+    # with the jnp emulation of the cuDNN parts (same inputs, same (out, lse) contract).
+    errs = cpa.check_against_dense(
+        kind, "xla", n, heads=heads, kv_heads=kv_heads, head_dim=8, chunk=8, dtype=jnp.float32
+    )
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_the_attention_check_catches_a_backward_that_ignores_the_merged_statistics(monkeypatch):
+    # The tempting shortcut: each part's backward with its own output, not the merged one.
+    fwd, bwd = cpa._PARTS["xla"]
+
+    def own_output_backward(q, k, v, o, lse, do, causal):
+        return bwd(q, k, v, fwd(q, k, v, causal)[0], lse, do, causal)
+
+    monkeypatch.setitem(cpa._PARTS, "xla", (fwd, own_output_backward))
+    errs = cpa.check_against_dense(
+        "split", "xla", 2, heads=4, kv_heads=2, head_dim=8, chunk=8, dtype=jnp.float32
+    )
+    assert errs["out"] < 1e-5 and errs["dq"] > 1e-2 and errs["dk"] > 1e-2, errs
+
+
+# -- the CP step against the unsharded model ----------------------------------------------------
+
+
+def _cp_vs_reference(cfg, n, transport="xla"):
+    rng = np.random.default_rng(1)
+    params = cs.init_params_numpy(cfg, seed=3)
+    x = rng.standard_normal((cfg.batch, cfg.seq, cfg.hidden)).astype(np.float32)
+    kv_shape = (cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim)
+    zeros = [(np.zeros(kv_shape, np.float32),) * 2 for _ in range(cfg.layers)]
+    ref_loss, (ref_g, ref_pg) = cs.reference_loss_and_grads(params, x, zeros, cfg)
+
+    mesh = _mesh(n)
+    probes = [tuple(cs.place(mesh, z, P(None, "cp")) for z in layer) for layer in zeros]
+    step = cs.make_step(cfg, mesh, transport)
+    loss, grads, probe_grads, _ = step(
+        jax.tree.map(lambda a: cs.place(mesh, a, P()), params),
+        cs.place(mesh, np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)), P(None, "cp")),
+        probes,
+        [],
+    )
+    dkdv = jax.tree.map(lambda a: np.asarray(cpg.from_cp_layout(np.asarray(a), n, seq_axis=1)), probe_grads)
+    return (float(ref_loss), ref_g, ref_pg), (float(loss), jax.tree.map(np.asarray, grads), dkdv)
+
+
+def _max_rel(got, ref):
+    flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
+    g, r = flat(got), flat(ref)
+    return float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
+
+
+@pytest.mark.parametrize("attention,kv_heads", [("xla", 4), ("xla", 2), ("split", 2), ("mask", 1)])
+def test_cp_step_matches_the_unsharded_float32_model(attention, kv_heads):
+    cfg = cs.Config(
+        layers=2,
+        hidden=32,
+        heads=4,
+        kv_heads=kv_heads,
+        head_dim=8,
+        ffn=64,
+        seq=64,
+        batch=2,
+        dtype="float32",
+        attention=attention,
+        backend="xla",
+    )
+    (ref_loss, ref_g, ref_pg), (loss, grads, dkdv) = _cp_vs_reference(cfg, n=4)
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+    assert _max_rel(grads, ref_g) < 2e-5
+    assert _max_rel(dkdv, ref_pg) < 2e-5  # dK/dV of every layer as the owners get them
+
+
+def test_the_none_transport_computes_the_same_shapes_without_kv_communication():
+    cfg = cs.Config(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, seq=64, dtype="float32")
+    (ref_loss, _, _), (loss, _, _) = _cp_vs_reference(cfg, n=4, transport="none")
+    assert np.isfinite(loss) and loss != ref_loss  # every rank attends to copies of its own K/V
+    mesh = _mesh(4)
+    args = (cs.init_params_device(mesh, cfg, 0), cs.random_hidden(mesh, cfg, 0), [], [])
+    text = cs.make_step(cfg, mesh, "none").trace(*args).lower().as_text()
+    assert not XLA_KV_COLLECTIVES.search(text) and "stablehlo.all_reduce" in text  # only the gradient psum
+    text = cs.make_step(cfg, mesh, "xla").trace(*args).lower().as_text()
+    assert XLA_KV_COLLECTIVES.search(text)
+
+
+# -- the GPU paths, lowered for CUDA on the CPU ------------------------------------------------
+
+
+def _workspace_description(n, nbytes):
+    import workspace_stub
+
+    make = getattr(workspace_stub, "workspace_spec", None) or workspace_stub.workspace_stub
+    return make(n, nbytes=nbytes)
+
+
+@pytest.mark.parametrize("attention", ["split", "mask"])
+def test_the_cudnn_attention_and_peer_step_lowers_for_cuda(attention, monkeypatch):
+    # The public cuDNN path asks the CUDA plugin for cuDNN's version at trace time; there is none here.
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    monkeypatch.setattr(fas, "check_cudnn_version", lambda: 91000)
+    n = 2
+    cfg = cs.Config(
+        layers=2,
+        hidden=256,
+        heads=2,
+        kv_heads=1,
+        head_dim=128,
+        ffn=512,
+        seq=512,
+        attention=attention,
+        backend="cudnn",
+    )
+    mesh = _mesh(n)
+    ws = _workspace_description(n, cfg.kv_local_bytes(n))
+    args = (cs.init_params_device(mesh, cfg, 0), cs.random_hidden(mesh, cfg, 0), [], [])
+    text = cs.make_step(cfg, mesh, "peer", ws).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = Counter(re.sub(r"_device$", "", c) for c in re.findall(r"custom_call @([\w$]+)\(", text))
+    # Per layer: K/V gathered forward, dK/dV returned backward; two attention calls each way
+    # (split: the full blocks and the diagonal blocks; mask: chunk A and chunk B).
+    assert calls["jax_cpgrad_all_gather"] == cfg.layers and calls["jax_cpgrad_grad_return"] == cfg.layers, (
+        calls
+    )
+    fwd = "__cudnn$fmhaSoftmax" if attention == "split" else "__cudnn$fmhaScaleBiasSoftmax"
+    assert calls[fwd] == 2 * cfg.layers and calls[fwd + "Backward"] == 2 * cfg.layers, calls
+    if attention == "split":
+        assert text.count("\\22mask_type\\22: \\22CAUSAL\\22") == 2 * cfg.layers  # one forward, one backward
+    # No XLA collective moves K/V; the parameter-gradient psum is the only one.
+    assert not XLA_KV_COLLECTIVES.search(text) and "stablehlo.all_reduce" in text
+
+
+# -- the script --------------------------------------------------------------------------------
+
+
+def _run(args, timeout=300):
+    # -S passes through when the suite itself runs without site (a checkout next to an installed copy).
+    cmd = [
+        sys.executable,
+        *(["-S"] if sys.flags.no_site else []),
+        os.path.join(ROOT, "benchmarks", "cp_step.py"),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("cp_step")
+    js, png = out_dir / "s.json", out_dir / "s.png"
+    stdout = _run(
+        [
+            "--cpu",
+            "--transport",
+            "xla",
+            "none",
+            "--seq",
+            "64",
+            "128",
+            "--hidden",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--layers",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(js),
+            "--png",
+            str(png),
+        ]
+    )
+    return stdout, json.loads(js.read_text()), png
+
+
+def test_the_script_times_each_config_and_transport_and_writes_json(smoke_run):
+    stdout, data, _ = smoke_run
+    assert data["n"] == 8 and data["processes"] == 1 and data["device_kind"] == "cpu"
+    for key in ("command", "date", "host", "jax", "options", "transports"):
+        assert data[key], key
+    rows = data["rows"]
+    assert [(r["seq"], r["transport"]) for r in rows] == [
+        (64, "none"),
+        (64, "xla"),
+        (128, "none"),
+        (128, "xla"),
+    ]
+    for r in rows:
+        assert "error" not in r, r.get("error")
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["tokens_per_s"] > 0
+        assert r["kv_heads"] == 2 and r["attention"] == "xla" and r["peak_bytes_in_use"] is None
+    assert all(("comm_s" in r) == (r["transport"] == "xla") for r in rows)
+    lines = [line for line in stdout.splitlines() if line.startswith("S=64 ") or line.startswith("S=128 ")]
+    assert len(lines) == 2 * len(rows)  # one line as each finishes, and the final table
+
+
+def test_the_script_plots_step_times(smoke_run):
+    pytest.importorskip("matplotlib")
+    _, _, png = smoke_run
+    assert png.exists() and png.stat().st_size > 1000
+
+
+def test_the_time_budget_stops_starting_configs(tmp_path):
+    js = tmp_path / "b.json"
+    out = _run(
+        [
+            "--cpu",
+            "--transport",
+            "none",
+            "--seq",
+            "64",
+            "128",
+            "--hidden",
+            "32",
+            "--heads",
+            "4",
+            "--layers",
+            "1",
+            "--steps",
+            "1",
+            "--time-budget-s",
+            "0",
+            "--json",
+            str(js),
+            "--png",
+            str(tmp_path / "b.png"),
+        ]
+    )
+    data = json.loads(js.read_text())
+    assert data["rows"] == [] and len(data["skipped_configs"]) == 2 and "time budget" in out
+
+
+def test_the_precision_mode_measures_the_errors_of_a_bf16_step(tmp_path):
+    js = tmp_path / "p.json"
+    out = _run(
+        [
+            "--cpu",
+            "--precision",
+            "--n",
+            "4",
+            "--seq",
+            "64",
+            "--hidden",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--layers",
+            "1",
+            "--json",
+            str(js),
+        ]
+    )
+    (row,) = json.loads(js.read_text())["rows"]
+    assert row["transport"] == "xla" and row["dtype"] == "bfloat16" and "error" not in row, row.get("error")
+    for q in ("dk", "dv", "grad_wk", "grad_wv", "grad_all_params"):
+        assert 0 < row[q]["rel_rms"] < 3e-2, (q, row[q])  # bf16 computation vs float32
+    assert row["dk_return"]["rel_rms"] < 1e-2 and 0 <= row["dk_return"]["not_correctly_rounded"] <= 1
+    assert "dk_return" in out
+
+
+def test_the_script_runs_as_two_processes(tmp_path):
+    # One CPU device per process (gloo between them): inputs built per process, the time-budget
+    # decision shared, only process 0 writes.
+    js = tmp_path / "m.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_cpgrad.launch",
+        "-n",
+        "2",
+        "--devices",
+        "none",
+        "--timeout",
+        "240",
+        os.path.join(ROOT, "benchmarks", "cp_step.py"),
+        "--cpu",
+        "--transport",
+        "xla",
+        "none",
+        "--seq",
+        "64",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--layers",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--time-budget-s",
+        "600",
+        "--json",
+        str(js),
+        "--png",
+        str(tmp_path / "m.png"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(js.read_text())
+    assert data["processes"] == 2 and data["n"] == 2
+    assert [r["transport"] for r in data["rows"]] == ["none", "xla"] and all(
+        "median_s" in r for r in data["rows"]
+    )
+    assert "[rank 1] S=64" not in proc.stdout  # only process 0 reports
