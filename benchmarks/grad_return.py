@@ -102,8 +102,8 @@ def parse_args(argv=None):
         "--protocols",
         nargs="+",
         default=None,
-        help="peer workspace protocols (default: "
-        "device memop with a GPU per rank, memop when ranks share one GPU)",
+        help="peer workspace protocols (default: device memop with a GPU per rank, memop when "
+        "ranks share one GPU); device:B:S tunes the device protocol: B SMs, a share S of them pushing",
     )
     p.add_argument("--calls", type=int, default=20, help="straight-line calls per jit (latency mode)")
     p.add_argument("--iters", type=int, default=20, help="calls per fori_loop (bandwidth mode)")
@@ -423,6 +423,18 @@ def measure(bench: Bench, op: Op, mode: str, transport: Transport, ws, point: Po
     return row
 
 
+def workspace_options(protocol: str) -> dict:
+    """Workspace keywords of a --protocols entry: "memop", "device", or "device:B:S" (sm_budget B,
+    push_share S)."""
+    name, *tuning = protocol.split(":")
+    options: dict = {"protocol": name}
+    if tuning:
+        options["sm_budget"] = int(tuning[0])
+    if len(tuning) > 1:
+        options["push_share"] = float(tuning[1])
+    return options
+
+
 def open_workspace(bench: Bench, transport: Transport, point: Point):
     """The workspace of a peer transport for this point, or None (noted) when it cannot be created."""
     try:
@@ -432,7 +444,7 @@ def open_workspace(bench: Bench, transport: Transport, point: Point):
             nbytes=TENSORS * point.local_bytes,
             name=f"bench-{transport.protocol}",
             timeout_s=WORKSPACE_TIMEOUT_S,
-            protocol=transport.protocol,
+            **workspace_options(transport.protocol),
         )
     except Exception as err:  # an unknown protocol, an older Workspace, out of memory, ...
         bench.skipped[transport.name] = (

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One command for a lent multi-GPU machine: build the test build of the package, then run the
+# stages named on the command line, each under its own time limit, and pack every log and JSON
+# into one archive ($OUT/run.tgz; OUT defaults to benchmarks/results/run).
+#
+#   bash benchmarks/gpu_run.sh smoke overhead bench_1p        # stages, in order
+#   STAGE_ARGS_bench_1p="--dtypes float32" bash benchmarks/gpu_run.sh bench_1p
+#
+# Stages: smoke (device protocol: one process and one per GPU), overhead, sweep (device protocol
+# SM budgets), bench_1p / bench_np (benchmarks/grad_return.py, one process / one per GPU),
+# tests (the GPU test suite), cp_step (benchmarks/cp_step.py), memcheck (compute-sanitizer on 2
+# ranks). NCCL_NVLS_ENABLE=0 always: never NVLink multicast on the shared machines.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/run}
+work=$(mktemp -d)
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+gpus=$(nvidia-smi -L | grep -c '^GPU ')
+started=$(date +%s)
+
+budget=${RUN_BUDGET_S:-570}  # the whole command's limit: stages shrink to fit, the archive is kept current
+mkdir -p "$OUT"
+
+# stage NAME LIMIT_S CMD...: runs CMD with its output in NAME.log, prints its status and tail,
+# and refreshes the archive (a command killed later still returns what ran).
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - ($(date +%s) - started) - 15))
+  if ((left < 20)); then echo "=== $name skipped: ${left}s left"; return; fi
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit}s, at $(($(date +%s) - started))s)"
+  timeout --signal=KILL "$limit" "$@" >"$work/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc"
+  tail -n 25 "$work/$name.log"
+  tar czf "$OUT/run.tgz" -C "$work" .
+}
+
+args_of() { local var="STAGE_ARGS_$1"; echo "${!var:-}"; }
+
+{
+  nvidia-smi topo -m
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+} >"$work/machine.txt" 2>&1
+echo "== $gpus GPUs: $(head -c 400 "$work/machine.txt" | tail -n +1 | head -n 4)"
+stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e . || true
+
+for s in "$@"; do
+  case $s in
+    smoke)
+      stage smoke_1p 150 env JAX_CPGRAD_TEST_PROTOCOL=device python3 tests/gpu_worker.py correctness,race,wrap,errors,graphs
+      stage smoke_np 200 env JAX_CPGRAD_TEST_PROTOCOL=device XLA_FLAGS="--xla_dump_to=$work/dump --xla_dump_hlo_module_re=.*cpgrad_graph_probe.*" \
+        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 190 tests/gpu_worker.py correctness,race,graphs,race_unprotected
+      ;;
+    overhead)
+      stage overhead 120 python3 benchmarks/overhead.py --n 1 2 4 8 --json "$work/overhead.json"
+      ;;
+    sweep)
+      stage sweep 300 python3 benchmarks/grad_return.py --sizes 64K 1M 64M 1G --dtypes bfloat16 --reps 3 \
+        --protocols device:32:0.5 device:64:0.25 device:64:0.5 device:96:0.33 device:128:0.25 memop \
+        --json "$work/sweep.json" --png "$work/sweep.png" $(args_of sweep)
+      ;;
+    bench_1p)
+      stage bench_1p 540 python3 benchmarks/grad_return.py --json "$work/bench_1p.json" --png "$work/bench_1p.png" \
+        $(args_of bench_1p)
+      ;;
+    bench_np)
+      stage bench_np 540 python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
+        benchmarks/grad_return.py --json "$work/bench_np.json" --png "$work/bench_np.png" $(args_of bench_np)
+      ;;
+    tests)
+      stage tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -x tests/test_gpu.py $(args_of tests)
+      ;;
+    cp_step*)  # cp_step, cp_step2, ...: each with its own STAGE_ARGS_<name>
+      stage "$s" 540 python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
+      ;;
+    memcheck | racecheck)
+      stage "$s" 300 bash benchmarks/sanitize_2ranks.sh "$s" correctness,wrap,errors
+      ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+
+tar czf "$OUT/run.tgz" -C "$work" .
+echo "== packed $(du -h "$OUT/run.tgz" | cut -f1) into $OUT/run.tgz after $(($(date +%s) - started))s"
