@@ -52,14 +52,17 @@ for s in "$@"; do
     smoke)
       stage smoke_1p 150 env JAX_CPGRAD_TEST_PROTOCOL=device python3 tests/gpu_worker.py correctness,race,wrap,errors,graphs
       stage smoke_np 200 env JAX_CPGRAD_TEST_PROTOCOL=device XLA_FLAGS="--xla_dump_to=$work/dump --xla_dump_hlo_module_re=.*cpgrad_graph_probe.*" \
-        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 190 tests/gpu_worker.py correctness,race,graphs,race_unprotected
+        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 190 tests/gpu_worker.py correctness,graphs,race_slow_owner,race_unprotected
+      stage smoke_memop 150 env JAX_CPGRAD_TEST_PROTOCOL=memop \
+        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 140 tests/gpu_worker.py race_slow_owner,race_unprotected
       ;;
     overhead)
       stage overhead 120 python3 benchmarks/overhead.py --n 1 2 4 8 --json "$work/overhead.json"
       ;;
     sweep)
       stage sweep 300 python3 benchmarks/grad_return.py --sizes 64K 1M 64M 1G --dtypes bfloat16 --reps 3 \
-        --protocols device:32:0.5 device:64:0.25 device:64:0.5 device:96:0.33 device:128:0.25 memop \
+        --op grad_return --modes latency --calls 12 \
+        --protocols device:64:0.5 device:96:0.33 device:128:0.25 device:132:0.4 device:132:0.5 device:132:0.6 memop \
         --json "$work/sweep.json" --png "$work/sweep.png" $(args_of sweep)
       ;;
     bench_1p)

@@ -15,14 +15,16 @@ sequence axis first. Transports:
 On the CPU, `nccl` and `xla-recipe` run over XLA's CPU collectives, not NCCL (the JSON's `backend`).
 
 Two timing modes:
-  latency     --calls K calls straight-line in one jit (K distinct inputs, each call chained after
-              the previous one's output by an optimization barrier); time per call = wall time / K.
-              Sizes <= --latency-max.
+  latency     calls straight-line in one jit, each chained after the previous one's outputs by an
+              optimization barrier (so XLA neither merges nor reorders them): programs of K/4 and
+              K = --calls calls, time per call = their time difference / their call difference
+              (what running one executable costs drops out). Sizes <= --latency-max (all default).
   bandwidth   a fori_loop of --iters calls (a one-row bump per iteration keeps XLA from hoisting
-              the call); time per call = wall time / iters. Sizes >= --bandwidth-min.
-Both include small fixed costs, amortized: one jit dispatch per K calls (latency), one copy of the
-inputs into the loop per --iters calls (bandwidth). With several processes, a barrier before each
-timed run starts them together; rank 0's times are reported.
+              the call); time per call = wall time / iters. XLA's while loop costs a host round trip
+              per iteration (~50 us on H200s, whatever the transport), which this mode includes:
+              it is what a scan over layers sees. Sizes >= --bandwidth-min.
+With several processes, a barrier before each timed run starts them together; rank 0's times
+are reported.
 Both report the median over --reps (and min-max), the bus bandwidth (N-1)/N * 2 * global bytes /
 time (NCCL's convention, for both ops), the ratio to the faster of nccl and nccl-symm at that point
 (`vs best nccl`, > 1 is faster) and the fraction of the ceiling (ceiling time / time). The ceiling
@@ -69,7 +71,6 @@ INNER = (8, 128)  # [S, 8, 128] per tensor
 TENSORS = 2  # dK and dV
 NCCL_TRANSPORTS = ("nccl", "nccl-symm")
 SYMM_OPTIONS = {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True}
-LATENCY_INPUT_LIMIT = 4 << 30  # bytes per device of the K latency inputs: skip latency above this
 SYNC_TIMEOUT_S = 300.0
 WORKSPACE_TIMEOUT_S = 120.0  # a peer that never arrives fails the call in 2 minutes, not in 10
 
@@ -108,7 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=20, help="straight-line calls per jit (latency mode)")
     p.add_argument("--iters", type=int, default=20, help="calls per fori_loop (bandwidth mode)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per point")
-    p.add_argument("--latency-max", default="4M", help="largest size timed in latency mode")
+    p.add_argument("--latency-max", default="1G", help="largest size timed in latency mode")
     p.add_argument("--bandwidth-min", default="1M", help="smallest size timed in bandwidth mode")
     p.add_argument("--n", type=int, default=None, help="CP size (default: every device)")
     p.add_argument("--cpu", action="store_true", help="8 CPU devices (XLA's CPU collectives only)")
@@ -220,17 +221,19 @@ def make_pairs(mesh, op: Op, n: int, point: Point, count: int):
     return [tuple(arrays[TENSORS * i : TENSORS * (i + 1)]) for i in range(count)]
 
 
-def latency_fn(body):
-    """Straight-line calls, one per input pair; call i+1 waits for call i's outputs."""
+def latency_fn(body, calls: int):
+    """`calls` straight-line calls on one input pair, each tied to the previous call's outputs by
+    an optimization barrier: XLA can neither merge them (NCCL's combiners, CSE of calls without
+    side effects) nor reorder them. Returns the last outputs only, so every call's memory is
+    reused and the executable has two inputs and two outputs whatever `calls` is."""
 
-    def run(pairs):
-        outs, prev = [], None
-        for pair in pairs:
-            if prev is not None:  # the barrier ties this call's inputs to the previous outputs
+    def run(pair):
+        prev = None
+        for _ in range(calls):
+            if prev is not None:
                 pair, prev = jax.lax.optimization_barrier((pair, prev))
             prev = body(*pair)
-            outs.append(prev)
-        return outs
+        return prev
 
     return run
 
@@ -271,6 +274,26 @@ def time_per_call(compiled, args, calls_per_run: int, reps: int, sync) -> dict:
         jax.block_until_ready(compiled(*args))
         times.append((time.perf_counter() - t0) / calls_per_run)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def time_per_call_slope(short, long, args, calls: tuple[int, int], reps: int, sync) -> dict:
+    """Seconds per call from two straight-line programs of calls[0] and calls[1] calls: the
+    difference of their times over the difference of their call counts, so the fixed cost of
+    running one executable (dispatch, argument handling) drops out. Runs alternate; the spread is
+    that of the per-repetition slopes."""
+    for _ in range(2):
+        jax.block_until_ready(short(*args))
+        jax.block_until_ready(long(*args))
+    slopes = []
+    for _ in range(reps):
+        times = []
+        for compiled in (short, long):
+            sync()
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - t0)
+        slopes.append((times[1] - times[0]) / (calls[1] - calls[0]))
+    return {"median_s": statistics.median(slopes), "min_s": min(slopes), "max_s": max(slopes)}
 
 
 # -- arithmetic of the report -------------------------------------------------------------------
@@ -389,21 +412,19 @@ def modes_for(bench: Bench, point: Point) -> list[str]:
 def measure(bench: Bench, op: Op, mode: str, transport: Transport, ws, point: Point) -> dict | None:
     """One row: time per call of `transport` doing `op` at `point` in `mode`."""
     n, opts = bench.n, bench.opts
+    pair = make_pairs(bench.mesh, op, n, point, 1)[0]
     if mode == "latency":
-        per_device = opts.calls * TENSORS * op.input_len(point.seq, n) * point.global_bytes // point.seq
-        if per_device > LATENCY_INPUT_LIMIT:
-            bench.note(
-                f"latency mode skipped for {op.name} at {human(point.global_bytes)}: {opts.calls} "
-                f"inputs would take {human(per_device)} per device"
-            )
-            return None
-        pairs = make_pairs(bench.mesh, op, n, point, opts.calls)
-        fn, args, per_run = latency_fn(transport.body(op, ws)), (pairs,), opts.calls
+        calls = (max(1, opts.calls // 4), opts.calls)
+        short, long = (
+            compile_fn(bench.mesh, latency_fn(transport.body(op, ws), k), (pair,), transport.compiler_options)
+            for k in calls
+        )
+        timing = time_per_call_slope(short, long, (pair,), calls, opts.reps, bench.sync)
+        per_run = calls[1]
     else:
-        pairs = make_pairs(bench.mesh, op, n, point, 1)
-        fn, args, per_run = bandwidth_fn(transport.body(op, ws), opts.iters), (pairs[0],), opts.iters
-    compiled = compile_fn(bench.mesh, fn, args, transport.compiler_options)
-    timing = time_per_call(compiled, args, per_run, opts.reps, bench.sync)
+        fn, per_run = bandwidth_fn(transport.body(op, ws), opts.iters), opts.iters
+        compiled = compile_fn(bench.mesh, fn, (pair,), transport.compiler_options)
+        timing = time_per_call(compiled, (pair,), per_run, opts.reps, bench.sync)
     row = {
         "op": op.name,
         "mode": mode,
@@ -596,7 +617,7 @@ def print_block(bench: Bench, op: str, mode: str, rows, ceilings) -> None:
     if not block:
         return
     how = (
-        f"{opts.calls} straight-line calls per jit"
+        f"straight-line calls, slope of {max(1, opts.calls // 4)} and {opts.calls} per jit"
         if mode == "latency"
         else f"fori_loop of {opts.iters} calls"
     )

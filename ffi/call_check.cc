@@ -79,6 +79,7 @@ std::string check_call(OpKind op, const WorkspaceState& ws, const Member& m, con
   plan->outer = g.outer;
   plan->run = g.run;
   plan->slot_bytes = cfg.slot_bytes;
+  plan->test_finish_delay_ns = m.test_finish_delay_ns.load(std::memory_order_relaxed);
   if (plan->payload_bytes() > cfg.slot_bytes) {
     return who() + "this call needs " + std::to_string(plan->payload_bytes()) + " bytes per slot (" +
            std::to_string(count) + " tensors of " + std::to_string(plan->tensor_bytes()) +

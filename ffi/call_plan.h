@@ -24,6 +24,9 @@ struct CallPlan {
   int64_t set = 0;         // slot set of this call (epoch parity; the memop protocol's host sets it)
   int64_t slot_bytes = 0;  // stride between slots
   ElementType dtype = ElementType::kF32;
+  // Test builds only (the race test's negative control): the owner waits this long before it
+  // reads each tile (device protocol) or each call's slots (stream-memop protocol). 0 otherwise.
+  uint32_t test_finish_delay_ns = 0;
   CPG_HOST_DEVICE int64_t run_bytes() const { return run * element_bytes(dtype); }
   // One tensor in the local layout [outer, 2, run].
   CPG_HOST_DEVICE int64_t tensor_bytes() const { return outer * 2 * run_bytes(); }

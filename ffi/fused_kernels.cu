@@ -161,6 +161,7 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
   const char* slot0 = c.peers.slots[p.self] + slot_offset(p.n, p.slot_bytes, set, 0);
   for (int64_t t = blockIdx.x - c.shape.push_blocks; t < c.shape.tiles; t += c.shape.finish_blocks) {
     if (!wait_for_tile(c, ctrl, e, t, -1)) return;
+    spin_for_ns(p.test_finish_delay_ns);
     for_each_row_segment(rb, t * c.shape.tile_bytes, tile_end(c, t), [&](int64_t row, int64_t a, int64_t b) {
       const int64_t h = row % 2, bo = (row / 2) % p.outer, k = row / (2 * p.outer);
       const Contributions<Word> in{
@@ -221,6 +222,7 @@ __device__ void place_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t 
     const int64_t t = item / p.n;
     const int64_t w = (p.self + item % p.n) % p.n;  // our own tile first: it needs no wait
     if (w != p.self && !wait_for_tile(c, ctrl, e, t, w)) return;
+    spin_for_ns(p.test_finish_delay_ns);
     const char* slot = c.peers.slots[p.self] + slot_offset(p.n, p.slot_bytes, set, w);
     const auto rows = [&](int64_t row, const char** src, char** dst) {
       const int64_t h = row % 2, b = (row / 2) % p.outer, k = row / (2 * p.outer);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "device/ordered_sum.cuh"
+#include "device/signal.cuh"
 
 namespace jax_cpgrad {
 namespace {
@@ -171,6 +172,7 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char*
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
   const bool failed = call_failed(own_header);
+  spin_for_ns(plan.test_finish_delay_ns);
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t h = row % 2;
     const int64_t b = (row / 2) % plan.outer;

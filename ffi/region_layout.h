@@ -28,7 +28,7 @@ inline constexpr uint32_t kStateFailed = 1;  // a call timed out: outputs NaN fr
 inline constexpr uint32_t kStateClosed = 2;  // Workspace.close() ran: outputs NaN, no peer access
 
 // The most signal tiles one call is cut into (it bounds the flags' memory).
-inline constexpr int64_t kMaxTiles = 1024;
+inline constexpr int64_t kMaxTiles = 2048;
 
 struct Control {
   uint32_t epoch;        // device protocol: the last epoch this device finished (kernels advance it)

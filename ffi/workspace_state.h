@@ -38,6 +38,7 @@ struct Member {
       : region(device, rank, config.n, config.slot_bytes, initial_epoch), epoch(initial_epoch) {}
   SymmetricRegion region;
   std::atomic<uint32_t> epoch;  // stream-memop protocol: the last epoch issued (host-side)
+  std::atomic<uint32_t> test_finish_delay_ns{0};  // test builds only: see CallPlan
   std::array<std::atomic<uint8_t>, 256> op_of_epoch{};  // for messages: op kind by epoch % 256
 };
 

@@ -25,3 +25,10 @@ def remove_war_protection(ws) -> None:
     """Every call uses slot set 0: the write-after-read protection is gone (the race test's
     negative control shows that results then go wrong)."""
     _native(ws).test_set_single_buffer(True)
+
+
+def delay_finishing(ws, rank: int, ns: int) -> None:
+    """The GPU of CP rank ``rank`` waits ``ns`` nanoseconds before it reads each tile (device
+    protocol) or each call's slots (stream-memop protocol): a slow owner, whose peers run ahead
+    into the next call. With the protection removed that overwrites what it has not read yet."""
+    _native(ws).test_set_finish_delay(rank, ns)

@@ -33,7 +33,7 @@ _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 
 def workspace_bytes(n: int, nbytes: int) -> int:
     """Device memory a Workspace(nbytes=...) holds on each GPU of an N-way CP group: two sets
-    (double buffering) of N slots of ``nbytes``, plus the flags (4 KiB per rank). One workspace
+    (double buffering) of N slots of ``nbytes``, plus the flags (8 KiB per rank). One workspace
     serves every layer and microbatch, so this does not grow with the model's depth."""
     return int(ext.region_bytes(n, nbytes))
 

@@ -39,6 +39,7 @@ def spmd_jit(mesh: Mesh, body, axis: str = "cp"):
     """jit(shard_map(body)): each rank's body gets its slices; outputs gain a leading rank axis."""
     def wrapped(*xs):
         return jax.tree.map(lambda o: o[None], body(*(x[0] for x in xs)))
+    wrapped.__name__ = getattr(body, "__name__", "wrapped")  # names XLA's module (jit_<name>)
     return jax.jit(jax.shard_map(wrapped, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
 
 

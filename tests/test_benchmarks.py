@@ -67,12 +67,12 @@ def test_cpu_smoke_run_measures_every_cpu_baseline_in_both_modes_and_ops(smoke):
     assert points == expected
     for r in data["rows"]:
         assert r["backend"] == "cpu" and r["n"] == 8 and r["tensors"] == 2 and r["dtype"] == "float32"
-        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["calls_per_run"] == (3 if r["mode"] == "latency" else 2)
-        assert r["busbw_gbps"] == pytest.approx(
-            7 / 8 * 2 * r["global_bytes_per_tensor"] / r["median_s"] / 1e9
-        )
-        assert r["vs_best_nccl"] > 0 and r["of_ceiling"] is None and r["ceiling_s"] is None
+        assert r["of_ceiling"] is None and r["ceiling_s"] is None
+        if r["mode"] == "bandwidth":  # wall time; a latency row is a slope, which noise on a busy CPU can flip
+            assert r["min_s"] > 0 and r["vs_best_nccl"] > 0
+            assert r["busbw_gbps"] == pytest.approx(7 / 8 * 2 * r["global_bytes_per_tensor"] / r["median_s"] / 1e9)
         if r["transport"] == "nccl":
             assert r["vs_best_nccl"] == pytest.approx(1.0)
 
@@ -266,14 +266,13 @@ def test_peer_bodies_trace_to_one_custom_call_per_call(op_name):
     op, point = bench.OPS[op_name], bench.make_point(64 << 10, "float32", n)
     ws = workspace_spec(n, nbytes=bench.TENSORS * point.local_bytes)
     body = bench.Transport("peer-memop", "peer", "", "memop").body(op, ws)
-    pairs = bench.make_pairs(mesh, op, n, point, calls)
+    pair = bench.make_pairs(mesh, op, n, point, 1)[0]
     target = f"@jax_cpgrad_{op_name}("
-    text = (
-        bench.jitted(mesh, bench.latency_fn(body)).trace(pairs).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    chain = bench.latency_fn(body, calls)
+    text = bench.jitted(mesh, chain).trace(pair).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(target) == calls and text.count("stablehlo.optimization_barrier") == calls - 1
     loop = bench.bandwidth_fn(body, 4)
-    text = bench.jitted(mesh, loop).trace(pairs[0]).lower(lowering_platforms=("cuda",)).as_text()
+    text = bench.jitted(mesh, loop).trace(pair).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(target) == 1 and "stablehlo.while" in text
 
 
@@ -281,14 +280,15 @@ def test_latency_chain_keeps_every_collective_and_the_symmetric_option_compiles(
     mesh, n, calls = _cpu_mesh(4), 4, 3
     op, point = bench.OPS["grad_return"], bench.make_point(64 << 10, "float32", n)
     body = bench.Transport("nccl", "bare", "").body(op, None)
-    pairs = bench.make_pairs(mesh, op, n, point, calls)
-    text = bench.jitted(mesh, bench.latency_fn(body)).trace(pairs).lower().as_text()
+    pair = bench.make_pairs(mesh, op, n, point, 1)[0]
+    chain = bench.latency_fn(body, calls)
+    text = bench.jitted(mesh, chain).trace(pair).lower().as_text()
     assert text.count("stablehlo.reduce_scatter") == bench.TENSORS * calls
     # The option name must exist in this jaxlib's DebugOptions (an unknown one raises here).
-    compiled = bench.compile_fn(mesh, bench.latency_fn(body), (pairs,), tuple(bench.SYMM_OPTIONS.items()))
-    outs = jax.block_until_ready(compiled(pairs))
-    assert len(outs) == calls and outs[0][0].shape == (point.seq, 8, 128)
-    assert float(outs[0][0][0, 0, 0]) == n  # every rank contributed ones
+    compiled = bench.compile_fn(mesh, chain, (pair,), tuple(bench.SYMM_OPTIONS.items()))
+    out = jax.block_until_ready(compiled(pair))
+    assert len(out) == bench.TENSORS and out[0].shape == (point.seq, 8, 128)
+    assert float(out[0][0, 0, 0]) == n  # every rank contributed ones
 
 
 def test_a_workspace_that_cannot_be_created_is_skipped_not_fatal():

@@ -90,11 +90,13 @@ def test_peer_transport_multiprocess(gpu, n, protocol):
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])
 def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
-    """The race test's negative control: with the protection removed (a test build's hook) calls
-    go wrong, so the race test above can fail."""
+    """With a slow owner (rank 0 waits before reading) every call stays right; with the
+    protection also removed (test builds' hooks) calls go wrong: the negative control, so the
+    race tests can fail."""
     _need_own_gpus(2, protocol)
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
-    _assert_all_ok(_run(2, ["race_unprotected"], protocol=protocol), 2, ["race_unprotected"])
+    scenarios = ["race_slow_owner", "race_unprotected"]
+    _assert_all_ok(_run(2, scenarios, protocol=protocol), 2, scenarios)
 
 
 def test_device_protocol_is_recorded_into_cuda_graphs(gpu, tmp_path):

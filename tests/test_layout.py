@@ -64,9 +64,9 @@ def test_native_argument_checks():
 
 
 def test_workspace_bytes_is_double_buffered_slots_plus_flags():
-    # Two sets of N slots (rounded up to 256 bytes), a 256-byte control block and 4 KiB of
-    # flags per rank (1024 tiles x 4 bytes), whatever the depth.
-    assert cpg.workspace_bytes(4, 1000) == 256 + 4 * 4096 + 2 * 4 * 1024
-    assert cpg.workspace_bytes(8, 1 << 20) == 256 + 8 * 4096 + 16 * (1 << 20)
+    # Two sets of N slots (rounded up to 256 bytes), a 256-byte control block and 8 KiB of
+    # flags per rank (2048 tiles x 4 bytes), whatever the depth.
+    assert cpg.workspace_bytes(4, 1000) == 256 + 4 * 8192 + 2 * 4 * 1024
+    assert cpg.workspace_bytes(8, 1 << 20) == 256 + 8 * 8192 + 16 * (1 << 20)
     with pytest.raises(ValueError):
         cpg.workspace_bytes(4, 0)

@@ -189,6 +189,12 @@ class NativeWorkspace {
     }
   }
   void test_set_single_buffer(bool on) { state_->single_buffer.store(on); }
+  // The local GPU of CP rank `rank` (if any) waits `ns` before it reads each tile or call.
+  void test_set_finish_delay(int64_t rank, uint32_t ns) {
+    for (const auto& m : state_->members) {
+      if (m->region.rank() == rank) m->test_finish_delay_ns.store(ns);
+    }
+  }
 #endif
 
  private:
@@ -276,6 +282,7 @@ void bind_workspace(nb::module_& m) {
 #if JAX_CPGRAD_TEST_HOOKS
       .def("test_set_epoch", &NativeWorkspace::test_set_epoch)
       .def("test_set_single_buffer", &NativeWorkspace::test_set_single_buffer)
+      .def("test_set_finish_delay", &NativeWorkspace::test_set_finish_delay)
 #endif
       .def("status", &NativeWorkspace::status);
   m.attr("HAS_TEST_HOOKS") = bool(JAX_CPGRAD_TEST_HOOKS);

@@ -41,4 +41,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Spins for `ns` nanoseconds (test builds' delay hook; returns at once for 0).
+__device__ __forceinline__ void spin_for_ns(uint32_t ns) {
+  if (ns == 0) return;
+  const uint64_t until = global_timer_ns() + ns;
+  while (global_timer_ns() < until) {
+  }
+}
+
 }  // namespace jax_cpgrad
