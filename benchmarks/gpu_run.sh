@@ -62,7 +62,7 @@ for s in "$@"; do
     sweep)
       stage sweep 300 python3 benchmarks/grad_return.py --sizes 64K 1M 64M 1G --dtypes bfloat16 --reps 3 \
         --op grad_return --modes latency --calls 12 \
-        --protocols device:64:0.5 device:96:0.33 device:128:0.25 device:132:0.4 device:132:0.5 device:132:0.6 memop \
+        --protocols device device:128:0.25 device:132:0.5 device:64:1 device:96:1 device:132:1 memop \
         --json "$work/sweep.json" --png "$work/sweep.png" $(args_of sweep)
       ;;
     bench_1p)
@@ -73,8 +73,8 @@ for s in "$@"; do
       stage bench_np 540 python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
         benchmarks/grad_return.py --json "$work/bench_np.json" --png "$work/bench_np.png" $(args_of bench_np)
       ;;
-    tests)
-      stage tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -x tests/test_gpu.py $(args_of tests)
+    tests*)  # tests, tests2, ...: each with its own STAGE_ARGS_<name> (e.g. -k to select)
+      stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs tests/test_gpu.py $(args_of "$s")
       ;;
     cp_step*)  # cp_step, cp_step2, ...: each with its own STAGE_ARGS_<name>
       stage "$s" 540 python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")

@@ -224,16 +224,17 @@ def make_pairs(mesh, op: Op, n: int, point: Point, count: int):
 def latency_fn(body, calls: int):
     """`calls` straight-line calls on one input pair, each tied to the previous call's outputs by
     an optimization barrier: XLA can neither merge them (NCCL's combiners, CSE of calls without
-    side effects) nor reorder them. Returns the last outputs only, so every call's memory is
-    reused and the executable has two inputs and two outputs whatever `calls` is."""
+    side effects) nor reorder them. Every call's outputs are returned, so that none is dead code
+    (a device-protocol call has no side effects: XLA would drop it)."""
 
     def run(pair):
-        prev = None
+        outs, prev = [], None
         for _ in range(calls):
             if prev is not None:
                 pair, prev = jax.lax.optimization_barrier((pair, prev))
             prev = body(*pair)
-        return prev
+            outs.append(prev)
+        return outs
 
     return run
 

@@ -115,6 +115,11 @@ __device__ void finish_call(const FusedCall& c, OpKind op, Control* ctrl, uint32
   }
 }
 
+// This block's index among the finishing blocks (negative: it does not finish).
+__device__ __forceinline__ int64_t finisher_index(const FusedCall& c) {
+  return int64_t(blockIdx.x) - (c.shape.blocks - c.shape.finish_blocks);
+}
+
 // What every block learns first: this call's epoch, and whether the workspace is usable.
 struct CallStart {
   uint32_t epoch;
@@ -159,7 +164,7 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
   const CallPlan& p = c.plan;
   const int64_t rb = p.run_bytes();
   const char* slot0 = c.peers.slots[p.self] + slot_offset(p.n, p.slot_bytes, set, 0);
-  for (int64_t t = blockIdx.x - c.shape.push_blocks; t < c.shape.tiles; t += c.shape.finish_blocks) {
+  for (int64_t t = finisher_index(c); t < c.shape.tiles; t += c.shape.finish_blocks) {
     if (!wait_for_tile(c, ctrl, e, t, -1)) return;
     spin_for_ns(p.test_finish_delay_ns);
     for_each_row_segment(rb, t * c.shape.tile_bytes, tile_end(c, t), [&](int64_t row, int64_t a, int64_t b) {
@@ -182,11 +187,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_grad_return(FusedCall c) 
   const CallStart s = start_call(ctrl);
   const int64_t set = c.single_buffer ? 0 : s.epoch & 1;
   if (s.ok) {
-    if (blockIdx.x < c.shape.push_blocks) {
-      push_owner_chunks<Word>(c, s.epoch, set);
-    } else {
-      sum_arrived_tiles<T, Word>(c, ctrl, s.epoch, set);
-    }
+    if (blockIdx.x < c.shape.push_blocks) push_owner_chunks<Word>(c, s.epoch, set);
+    if (finisher_index(c) >= 0) sum_arrived_tiles<T, Word>(c, ctrl, s.epoch, set);
   }
   finish_call(c, OpKind::kGradReturn, ctrl, s.epoch);
 }
@@ -218,7 +220,7 @@ __device__ void place_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t 
   const CallPlan& p = c.plan;
   const int64_t rb = p.run_bytes();
   const int64_t items = c.shape.tiles * p.n;
-  for (int64_t item = blockIdx.x - c.shape.push_blocks; item < items; item += c.shape.finish_blocks) {
+  for (int64_t item = finisher_index(c); item < items; item += c.shape.finish_blocks) {
     const int64_t t = item / p.n;
     const int64_t w = (p.self + item % p.n) % p.n;  // our own tile first: it needs no wait
     if (w != p.self && !wait_for_tile(c, ctrl, e, t, w)) return;
@@ -239,11 +241,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_all_gather(FusedCall c) {
   const CallStart s = start_call(ctrl);
   const int64_t set = c.single_buffer ? 0 : s.epoch & 1;
   if (s.ok) {
-    if (blockIdx.x < c.shape.push_blocks) {
-      push_local_copies<Word>(c, s.epoch, set);
-    } else {
-      place_arrived_tiles<Word>(c, ctrl, s.epoch, set);
-    }
+    if (blockIdx.x < c.shape.push_blocks) push_local_copies<Word>(c, s.epoch, set);
+    if (finisher_index(c) >= 0) place_arrived_tiles<Word>(c, ctrl, s.epoch, set);
   }
   finish_call(c, OpKind::kAllGather, ctrl, s.epoch);
 }
@@ -260,7 +259,7 @@ bool all_aligned_16(const FusedCall& c) {
 
 template <auto Kernel>
 cudaError_t launch(const FusedCall& c, cudaStream_t stream) {
-  Kernel<<<c.shape.push_blocks + c.shape.finish_blocks, kFusedThreads, 0, stream>>>(c);
+  Kernel<<<c.shape.blocks, kFusedThreads, 0, stream>>>(c);
   return cudaGetLastError();
 }
 
@@ -278,8 +277,11 @@ FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
   s.tiles = std::max<int64_t>(1, ceil_div(payload, s.tile_bytes));
   const int64_t push_items = (plan.n - 1) * s.tiles;
   const int64_t finish_items = op == OpKind::kGradReturn ? s.tiles : s.tiles * plan.n;
+  const bool every_block_both = push_blocks >= block_budget;
   s.push_blocks = static_cast<int32_t>(std::min<int64_t>(plan.n > 1 ? push_blocks : 0, push_items));
-  s.finish_blocks = static_cast<int32_t>(std::clamp<int64_t>(block_budget - s.push_blocks, 1, finish_items));
+  const int64_t finishers = every_block_both ? block_budget : block_budget - s.push_blocks;
+  s.finish_blocks = static_cast<int32_t>(std::clamp<int64_t>(finishers, 1, finish_items));
+  s.blocks = every_block_both ? std::max(s.push_blocks, s.finish_blocks) : s.push_blocks + s.finish_blocks;
   return s;
 }
 

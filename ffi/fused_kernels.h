@@ -3,10 +3,11 @@
 // arguments on every call, so the op can be recorded into a CUDA graph and replayed.
 //
 // Contract of fused_grad_return / fused_all_gather (one launch per call, on the caller's stream):
-// - Launch shape: push_blocks + finish_blocks blocks of kFusedThreads threads, all resident at
-//   once (the grid is at most the workspace's SM budget, one block per SM fits); blocks
-//   [0, push_blocks) only push and signal, the others only wait and finish. A pushing block never
-//   waits, so no block waits on a block of its own GPU that cannot be scheduled.
+// - Launch shape: `blocks` blocks of kFusedThreads threads, all resident at once (at most the
+//   workspace's SM budget, one block per SM fits). Blocks [0, push_blocks) push and signal;
+//   blocks [blocks - finish_blocks, blocks) wait and finish. Either the two sets are disjoint
+//   (specialised blocks) or every block does both, pushing first. A block pushes everything it
+//   owes before it waits, so no wait depends on a block that cannot be scheduled.
 // - Epoch: every block reads e = Control::epoch + 1 at its start; the last block to finish writes
 //   Control::epoch = e (Control::blocks_done counts the finished blocks and is reset by it). No
 //   host code counts calls.
@@ -47,11 +48,13 @@ struct HostReport {
 struct FusedShape {
   int64_t tile_bytes = 0;
   int64_t tiles = 0;
+  int32_t blocks = 0;
   int32_t push_blocks = 0;
   int32_t finish_blocks = 0;
 };
 
-// block_budget: the most blocks (SMs) the kernel may occupy; push_blocks: how many of them push.
+// block_budget: the most blocks (SMs) the kernel may occupy; push_blocks: how many of them push
+// (the rest finish); push_blocks >= block_budget: every block pushes, then finishes.
 FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, int32_t push_blocks);
 
 struct FusedCall {

@@ -25,8 +25,8 @@ DEFAULT_TIMEOUT_S = 600.0  # like NCCL's and PyTorch's default collective timeou
 # The device protocol's share of each GPU: at most DEFAULT_SM_BUDGET SMs (one block each) per
 # call, DEFAULT_PUSH_SHARE of them pushing and the rest finishing. See README "Results" for the
 # sweep behind these values.
-DEFAULT_SM_BUDGET = 64
-DEFAULT_PUSH_SHARE = 0.5
+DEFAULT_SM_BUDGET = 96
+DEFAULT_PUSH_SHARE = 1 / 3
 _creation_counter = itertools.count()
 _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 
@@ -52,8 +52,8 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
         raise ValueError(f"protocol must be 'auto', 'device' or 'memop', got {protocol!r}")
     if sm_budget is not None and (not isinstance(sm_budget, int) or sm_budget < 2):
         raise ValueError(f"sm_budget must be an int >= 2 (SMs one call may occupy), got {sm_budget!r}")
-    if push_share is not None and not 0 < push_share < 1:
-        raise ValueError(f"push_share must be in (0, 1), got {push_share!r}")
+    if push_share is not None and not 0 < push_share <= 1:
+        raise ValueError(f"push_share must be in (0, 1], got {push_share!r}")
     if on_timeout not in ("raise", "abort"):
         raise ValueError(f"on_timeout must be 'raise' or 'abort', got {on_timeout!r}")
     n = int(mesh.shape[axis_name])
@@ -83,9 +83,10 @@ class Workspace:
         with the epoch in device memory: the fastest, and XLA records it into CUDA graphs),
         ``"memop"`` (stream memory operations: for ranks that share one GPU), or ``"auto"``
         (device when every rank has its own GPU).
-      sm_budget: device protocol: the most SMs one call occupies (default 64, at most the GPU's),
+      sm_budget: device protocol: the most SMs one call occupies (default 96, at most the GPU's),
         leaving the rest to kernels XLA runs beside it.
-      push_share: device protocol: the share of those SMs that push (the rest finish).
+      push_share: device protocol: the share of those SMs that push (the rest finish); 1: every
+        block pushes its share, then finishes its share.
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
         raises) or ``"abort"`` (the process aborts after printing the message, for schedulers
         that restart failed jobs).
@@ -113,7 +114,8 @@ class Workspace:
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
         sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in self._local) if self._local else 2
         budget = min(sm_budget or DEFAULT_SM_BUDGET, sms)
-        push_blocks = max(1, min(budget - 1, round(budget * (push_share or DEFAULT_PUSH_SHARE))))
+        share = push_share or DEFAULT_PUSH_SHARE
+        push_blocks = budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
         try:
             native = ext.NativeWorkspace(
                 name, n, nbytes, timeout_s, resolved, budget, push_blocks, on_timeout == "abort",

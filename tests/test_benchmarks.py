@@ -286,9 +286,9 @@ def test_latency_chain_keeps_every_collective_and_the_symmetric_option_compiles(
     assert text.count("stablehlo.reduce_scatter") == bench.TENSORS * calls
     # The option name must exist in this jaxlib's DebugOptions (an unknown one raises here).
     compiled = bench.compile_fn(mesh, chain, (pair,), tuple(bench.SYMM_OPTIONS.items()))
-    out = jax.block_until_ready(compiled(pair))
-    assert len(out) == bench.TENSORS and out[0].shape == (point.seq, 8, 128)
-    assert float(out[0][0, 0, 0]) == n  # every rank contributed ones
+    outs = jax.block_until_ready(compiled(pair))
+    assert len(outs) == calls and outs[-1][0].shape == (point.seq, 8, 128)
+    assert float(outs[-1][0][0, 0, 0]) == n  # every rank contributed ones
 
 
 def test_a_workspace_that_cannot_be_created_is_skipped_not_fatal():

@@ -92,7 +92,7 @@ def test_a_workspace_description_names_its_protocol():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(protocol="fast"), "protocol must be 'auto', 'device' or 'memop'"),
     (dict(sm_budget=1), "sm_budget must be an int >= 2"),
-    (dict(push_share=1.0), r"push_share must be in \(0, 1\)"),
+    (dict(push_share=1.5), r"push_share must be in \(0, 1\]"),
     (dict(on_timeout="ignore"), "on_timeout must be 'raise' or 'abort'"),
 ])
 def test_workspace_option_checks(kwargs, match):

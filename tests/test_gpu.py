@@ -96,7 +96,9 @@ def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
     _need_own_gpus(2, protocol)
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = ["race_slow_owner", "race_unprotected"]
-    _assert_all_ok(_run(2, scenarios, protocol=protocol), 2, scenarios)
+    found = _run(2, scenarios, protocol=protocol)
+    _assert_all_ok(found, 2, scenarios)
+    assert "slow_owner_got_wrong_calls_without_protection" in found[("race_unprotected", 0)]["checks"]
 
 
 def test_device_protocol_is_recorded_into_cuda_graphs(gpu, tmp_path):

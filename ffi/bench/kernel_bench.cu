@@ -246,7 +246,7 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t
   result["accumulate_launch"] = measure(accumulate);
   if (n > 1) result["publish_and_wait"] = measure(memops);
   result["fused_call"] = measure(fused_call);
-  result["fused_blocks"] = fused.shape.push_blocks + fused.shape.finish_blocks;
+  result["fused_blocks"] = fused.shape.blocks;
   cudaStreamDestroy(stream);
   cudaFreeHost(report);
   return result;
