@@ -119,6 +119,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+LATENCY_OUTPUT_BUDGET = 8 << 30  # bytes per device of a latency chain's outputs
+
 # -- what is measured ---------------------------------------------------------------------------
 
 
@@ -415,7 +417,10 @@ def measure(bench: Bench, op: Op, mode: str, transport: Transport, ws, point: Po
     n, opts = bench.n, bench.opts
     pair = make_pairs(bench.mesh, op, n, point, 1)[0]
     if mode == "latency":
-        calls = (max(1, opts.calls // 4), opts.calls)
+        # Every call's outputs stay alive (see latency_fn): at most LATENCY_OUTPUT_BUDGET of them.
+        per_call = TENSORS * (point.local_bytes if op.name == "grad_return" else point.global_bytes)
+        most = min(opts.calls, max(8, LATENCY_OUTPUT_BUDGET // per_call))
+        calls = (max(1, most // 4), most)
         short, long = (
             compile_fn(bench.mesh, latency_fn(transport.body(op, ws), k), (pair,), transport.compiler_options)
             for k in calls

@@ -15,8 +15,8 @@ constexpr int kCopyUnroll = 4;  // 16-byte vectors in flight per thread in a pus
 constexpr int kSumUnroll = 2;   // per writer, in the sum (times 4 writers in flight: see sum_words)
 constexpr int64_t kTileAlign = 4096;
 // Small enough that a 64 KiB message still spreads over several blocks, large enough that a
-// flag (one remote store and one fence) is rare next to the data.
-constexpr int64_t kMinTileBytes = 8192;
+// flag (a barrier and one remote release) is rare next to the data.
+constexpr int64_t kMinTileBytes = 16384;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -22,11 +22,10 @@ from ._native import HAS_CUDA, MAX_RANKS, ext, require_cuda
 from .spec import WorkspaceSpec
 
 DEFAULT_TIMEOUT_S = 600.0  # like NCCL's and PyTorch's default collective timeouts
-# The device protocol's share of each GPU: at most DEFAULT_SM_BUDGET SMs (one block each) per
-# call, DEFAULT_PUSH_SHARE of them pushing and the rest finishing. See README "Results" for the
-# sweep behind these values.
-DEFAULT_SM_BUDGET = 96
-DEFAULT_PUSH_SHARE = 1 / 3
+# The device protocol's share of each GPU: by default every SM (one block each) per call, half of
+# them pushing and half finishing. On 2 H200s (README "Results") that was the fastest of the
+# budgets swept from 64 KiB to 1 GiB; lower sm_budget to leave SMs to kernels XLA runs beside it.
+DEFAULT_PUSH_SHARE = 0.5
 _creation_counter = itertools.count()
 _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 
@@ -83,8 +82,8 @@ class Workspace:
         with the epoch in device memory: the fastest, and XLA records it into CUDA graphs),
         ``"memop"`` (stream memory operations: for ranks that share one GPU), or ``"auto"``
         (device when every rank has its own GPU).
-      sm_budget: device protocol: the most SMs one call occupies (default 96, at most the GPU's),
-        leaving the rest to kernels XLA runs beside it.
+      sm_budget: device protocol: the most SMs one call occupies (default: all of the GPU's);
+        a lower budget leaves SMs to kernels XLA runs beside it.
       push_share: device protocol: the share of those SMs that push (the rest finish); 1: every
         block pushes its share, then finishes its share.
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
@@ -113,7 +112,7 @@ class Workspace:
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
         sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in self._local) if self._local else 2
-        budget = min(sm_budget or DEFAULT_SM_BUDGET, sms)
+        budget = min(sm_budget or sms, sms)
         share = push_share or DEFAULT_PUSH_SHARE
         push_blocks = budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
         try:
