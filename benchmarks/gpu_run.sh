@@ -65,13 +65,12 @@ for s in "$@"; do
         --protocols device device:128:0.25 device:132:0.5 device:64:1 device:96:1 device:132:1 memop \
         --json "$work/sweep.json" --png "$work/sweep.png" $(args_of sweep)
       ;;
-    bench_1p)
-      stage bench_1p 540 python3 benchmarks/grad_return.py --json "$work/bench_1p.json" --png "$work/bench_1p.png" \
-        $(args_of bench_1p)
+    bench_1p*)  # one process driving every GPU; bench_1p, bench_1p2, ...: STAGE_ARGS_<name> each
+      stage "$s" 540 python3 benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
-    bench_np)
-      stage bench_np 540 python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
-        benchmarks/grad_return.py --json "$work/bench_np.json" --png "$work/bench_np.png" $(args_of bench_np)
+    bench_np*)  # one process per GPU
+      stage "$s" 540 python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
+        benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
     tests*)  # tests, tests2, ...: each with its own STAGE_ARGS_<name> (e.g. -k to select)
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs tests/test_gpu.py $(args_of "$s")
