@@ -15,9 +15,11 @@ import platform
 
 from jax_cpgrad._native import bench_ext
 
-STEPS = [("scatter", "copy_scatter_size", "scatter_traffic"),
-         ("accumulate", "copy_accumulate_size", "accumulate_traffic"),
-         ("gather", "copy_gather_size", "gather_traffic")]
+STEPS = [
+    ("scatter", "copy_scatter_size", "scatter_traffic"),
+    ("accumulate", "copy_accumulate_size", "accumulate_traffic"),
+    ("gather", "copy_gather_size", "gather_traffic"),
+]
 
 
 def measure(n: int, mib: int, dtype: str, tensors: int = 2, iters: int = 20, reps: int = 7) -> dict:
@@ -26,7 +28,9 @@ def measure(n: int, mib: int, dtype: str, tensors: int = 2, iters: int = 20, rep
     for step, copy, traffic in STEPS:
         ours, ceiling = raw[step], raw[copy]
         row[step] = {
-            "median_ms": ours["median_ms"], "min_ms": ours["min_ms"], "max_ms": ours["max_ms"],
+            "median_ms": ours["median_ms"],
+            "min_ms": ours["min_ms"],
+            "max_ms": ours["max_ms"],
             "traffic_bytes": raw[traffic],
             "gbps": raw[traffic] / ours["median_ms"] / 1e6,
             "copy_gbps": raw[traffic] / ceiling["median_ms"] / 1e6,
@@ -45,20 +49,35 @@ def main() -> None:
     if bench_ext is None:
         raise SystemExit("benchmarks/kernels.py needs the CUDA build of jax_cpgrad and a GPU")
     rows = []
-    print(f"{'N':>2} {'MiB/t':>6} {'dtype':>8} | {'scatter GB/s':>12} {'%copy':>6} | "
-          f"{'accum GB/s':>10} {'%copy':>6} | {'gather GB/s':>11} {'%copy':>6}")
+    print(
+        f"{'N':>2} {'MiB/t':>6} {'dtype':>8} | {'scatter GB/s':>12} {'%copy':>6} | "
+        f"{'accum GB/s':>10} {'%copy':>6} | {'gather GB/s':>11} {'%copy':>6}"
+    )
     for n in opts.n:
         for mib in opts.mib:
             for dtype in opts.dtypes:
                 r = measure(n, mib, dtype)
                 rows.append(r)
-                print(f"{n:>2} {mib:>6} {dtype:>8} | {r['scatter']['gbps']:>12.0f} {100 * r['scatter']['fraction_of_copy']:>5.1f}% | "
-                      f"{r['accumulate']['gbps']:>10.0f} {100 * r['accumulate']['fraction_of_copy']:>5.1f}% | "
-                      f"{r['gather']['gbps']:>11.0f} {100 * r['gather']['fraction_of_copy']:>5.1f}%", flush=True)
+                cells = [
+                    f"{r[s]['gbps']:>{w}.0f} {100 * r[s]['fraction_of_copy']:>5.1f}%"
+                    for s, w in (("scatter", 12), ("accumulate", 10), ("gather", 11))
+                ]
+                print(
+                    f"{n:>2} {mib:>6} {dtype:>8} | " + " | ".join(cells),
+                    flush=True,
+                )
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"benchmark": "kernels", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "host": platform.node(), "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "kernels",
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "host": platform.node(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -36,12 +36,27 @@ def main() -> None:
         rows.append(r)
         cells = []
         for part in PARTS:
-            cells.append(f"{r[part]['host_us']:>10.2f} {r[part]['gpu_us']:>11.2f}" if part in r else f"{'-':>10} {'-':>11}")
-        print(f"{n:>2} {r['api_calls_per_call']:>9} {r['stream_mem_ops_per_call']:>7} | " + " | ".join(cells), flush=True)
+            cells.append(
+                f"{r[part]['host_us']:>10.2f} {r[part]['gpu_us']:>11.2f}"
+                if part in r
+                else f"{'-':>10} {'-':>11}"
+            )
+        print(
+            f"{n:>2} {r['api_calls_per_call']:>9} {r['stream_mem_ops_per_call']:>7} | " + " | ".join(cells),
+            flush=True,
+        )
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"benchmark": "overhead", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "bytes_per_tensor": opts.bytes, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "overhead",
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "bytes_per_tensor": opts.bytes,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import jax
 
 from . import _cpgrad_ext as ext
 
+bench_ext: ModuleType | None
 try:  # the optional benchmark module (CUDA builds with JAX_CPGRAD_BENCHMARKS=ON)
-    from . import _cpgrad_bench as bench_ext  # type: ignore[attr-defined]
+    from . import _cpgrad_bench
+
+    bench_ext = _cpgrad_bench
 except ImportError:
     bench_ext = None
 

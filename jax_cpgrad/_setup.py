@@ -37,7 +37,8 @@ def gpu_ids(key: str, arguments: list, local_devices: list) -> dict[int, str]:
         raise ValueError(
             "jax_cpgrad.Workspace was created with different arguments on different processes "
             "(axis, N, nbytes, timeout, protocol, SM budget, mesh devices): "
-            + "; ".join(f"process {p}: {e['arguments']}" for p, e in enumerate(entries)))
+            + "; ".join(f"process {p}: {e['arguments']}" for p, e in enumerate(entries))
+        )
     return {int(k): v for e in entries for k, v in e["gpus"].items()}
 
 
@@ -59,7 +60,8 @@ def resolve_protocol(requested: str, shared: list[str]) -> str:
     if requested == "device" and shared:
         raise ValueError(
             "protocol='device' needs one GPU per CP rank, but " + ", ".join(shared) + " share one: "
-            "their spinning kernels would be time-sliced. Use protocol='memop' (or 'auto') there.")
+            "their spinning kernels would be time-sliced. Use protocol='memop' (or 'auto') there."
+        )
     return requested
 
 
@@ -78,11 +80,17 @@ def connect(native, key: str, name: str, local_devices: list, groups: dict, pci_
     multi = _distributed.is_multiprocess()
     remote = {}
     if multi:
-        mine = {str(d.id): [socket.gethostname(), h.hex()] for d, h in zip(local_devices, handles, strict=True)}
-        for p, entries in enumerate(_distributed.exchange(f"{key}/handles", {"devices": mine}, SETUP_TIMEOUT_S)):
+        mine = {
+            str(d.id): [socket.gethostname(), h.hex()] for d, h in zip(local_devices, handles, strict=True)
+        }
+        for p, entries in enumerate(
+            _distributed.exchange(f"{key}/handles", {"devices": mine}, SETUP_TIMEOUT_S)
+        ):
             if "error" in entries:
-                raise RuntimeError(f"jax_cpgrad: process {p} could not create its part of workspace "
-                                   f"{name!r}: {entries['error']}")
+                raise RuntimeError(
+                    f"jax_cpgrad: process {p} could not create its part of workspace "
+                    f"{name!r}: {entries['error']}"
+                )
             remote.update({int(k): v for k, v in entries["devices"].items()})
     problems: list[str] = []
     peers: list[list[int | bytes]] = []
@@ -95,7 +103,9 @@ def connect(native, key: str, name: str, local_devices: list, groups: dict, pci_
                 continue
             host, handle = remote[peer.id]
             if host != socket.gethostname():
-                problems.append(f"CP rank {rank} on {socket.gethostname()} -> CP rank {r} on {host}: another host")
+                problems.append(
+                    f"CP rank {rank} on {socket.gethostname()} -> CP rank {r} on {host}: another host"
+                )
             elif reason := ext.peer_unreachable_reason(d.local_hardware_id, pci_of[peer.id]):
                 problems.append(f"CP rank {rank} -> CP rank {r}: {reason}")
             row.append(bytes.fromhex(handle))
@@ -108,5 +118,6 @@ def connect(native, key: str, name: str, local_devices: list, groups: dict, pci_
         raise RuntimeError(
             "jax_cpgrad: these CP peers cannot reach each other by peer memory, so the peer "
             "transport cannot run on this mesh; call grad_return/all_gather without a workspace "
-            "to use the XLA transport instead:\n  " + "\n  ".join(problems))
+            "to use the XLA transport instead:\n  " + "\n  ".join(problems)
+        )
     native.activate()

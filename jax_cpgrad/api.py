@@ -33,7 +33,8 @@ def _axis_size(axis_name: str, op: str) -> int:
     except (NameError, KeyError, ValueError) as err:
         raise ValueError(
             f"jax_cpgrad.{op}: axis name {axis_name!r} is not bound here; call it inside "
-            f"jax.shard_map over a mesh that has the axis {axis_name!r}") from err
+            f"jax.shard_map over a mesh that has the axis {axis_name!r}"
+        ) from err
 
 
 def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> int:
@@ -45,12 +46,16 @@ def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> in
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"jax_cpgrad.{op}: argument {i} is not an array: {type(x).__name__}")
         if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
-            raise ValueError(f"jax_cpgrad.{op}: argument {i} has dtype {x.dtype}; "
-                             "float32, bfloat16 and float16 are supported")
+            raise ValueError(
+                f"jax_cpgrad.{op}: argument {i} has dtype {x.dtype}; "
+                "float32, bfloat16 and float16 are supported"
+            )
         if x.shape != first.shape or x.dtype != first.dtype:
-            raise ValueError(f"jax_cpgrad.{op}: all arrays of one call must have the same shape and "
-                             f"dtype: argument 0 is {first.dtype}{list(first.shape)}, argument {i} is "
-                             f"{x.dtype}{list(x.shape)}")
+            raise ValueError(
+                f"jax_cpgrad.{op}: all arrays of one call must have the same shape and "
+                f"dtype: argument 0 is {first.dtype}{list(first.shape)}, argument {i} is "
+                f"{x.dtype}{list(x.shape)}"
+            )
     seq = normalize_seq_axis(seq_axis, first.ndim)
     try:
         chunk_geometry(first.shape, seq, n, global_=global_)
@@ -88,6 +93,7 @@ def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
 
 # The two transports behind one differentiable pair. `spec` None means the XLA transport.
 
+
 def _grad_return_impl(xs, axis_name, seq, spec):
     n = jax.lax.axis_size(axis_name)
     if spec is None:
@@ -104,6 +110,7 @@ def _all_gather_impl(xs, axis_name, seq, spec):
 
 def _linear_pair(forward, transpose):
     """A custom-VJP op whose cotangent map is `transpose` (the two ops are each other's transpose)."""
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
     def op(xs, axis_name, seq, spec):
         return forward(xs, axis_name, seq, spec)

@@ -42,7 +42,7 @@ def chunk_geometry(shape, seq_axis: int, n: int, *, global_: bool = True):
 def _permute_chunks(x, order: list[int], seq_axis: int, n: int):
     seq_axis = normalize_seq_axis(seq_axis, x.ndim)
     chunk_len, _, _ = chunk_geometry(x.shape, seq_axis, n)
-    chunked = x.reshape(x.shape[:seq_axis] + (2 * n, chunk_len) + x.shape[seq_axis + 1:])
+    chunked = x.reshape(x.shape[:seq_axis] + (2 * n, chunk_len) + x.shape[seq_axis + 1 :])
     xp = np if isinstance(x, np.ndarray) else jnp
     picked = xp.take(chunked, np.asarray(order), axis=seq_axis)
     return picked.reshape(x.shape)

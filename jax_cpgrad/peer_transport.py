@@ -15,7 +15,7 @@ def _result_type(x, shape):
 
 def _call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: WorkspaceSpec):
     target, side_effect = spec.target(op)
-    out_shape = xs[0].shape[:seq_axis] + (out_len,) + xs[0].shape[seq_axis + 1:]
+    out_shape = xs[0].shape[:seq_axis] + (out_len,) + xs[0].shape[seq_axis + 1 :]
     call = jax.ffi.ffi_call(
         target,
         tuple(_result_type(x, out_shape) for x in xs),
@@ -23,8 +23,14 @@ def _call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: Workspa
         # vmap adds leading axes; the handler counts seq_axis from the back, so it still holds.
         vmap_method="broadcast_all",
     )
-    return tuple(call(*xs, workspace_id=np.int64(spec.id), axis_size=np.int64(n),
-                      seq_axis_from_end=np.int64(xs[0].ndim - seq_axis)))
+    return tuple(
+        call(
+            *xs,
+            workspace_id=np.int64(spec.id),
+            axis_size=np.int64(n),
+            seq_axis_from_end=np.int64(xs[0].ndim - seq_axis),
+        )
+    )
 
 
 def grad_return_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):

@@ -39,11 +39,17 @@ class WorkspaceSpec:
     def check_call(self, axis_name: str, n: int, nbytes: int, op: str) -> None:
         """ValueError at trace time for a call this workspace cannot serve."""
         if axis_name != self.axis_name:
-            raise ValueError(f"jax_cpgrad.{op}: axis_name {axis_name!r} but workspace '{self.name}' "
-                             f"was created for axis {self.axis_name!r}")
+            raise ValueError(
+                f"jax_cpgrad.{op}: axis_name {axis_name!r} but workspace '{self.name}' "
+                f"was created for axis {self.axis_name!r}"
+            )
         if n != self.n:
-            raise ValueError(f"jax_cpgrad.{op}: the {axis_name!r} axis has {n} devices but workspace "
-                             f"'{self.name}' was created for {self.n}")
+            raise ValueError(
+                f"jax_cpgrad.{op}: the {axis_name!r} axis has {n} devices but workspace "
+                f"'{self.name}' was created for {self.n}"
+            )
         if nbytes > self.nbytes:
-            raise ValueError(f"jax_cpgrad.{op}: this call moves {nbytes} bytes per device (local shapes) "
-                             f"but workspace '{self.name}' holds {self.nbytes}: create it with a larger nbytes")
+            raise ValueError(
+                f"jax_cpgrad.{op}: this call moves {nbytes} bytes per device (local shapes) "
+                f"but workspace '{self.name}' holds {self.nbytes}: create it with a larger nbytes"
+            )

@@ -62,7 +62,8 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
     if not_gpu:
         raise ValueError(
             f"the peer transport needs GPUs, but the mesh has {', '.join(not_gpu)} devices: "
-            "use grad_return/all_gather without a workspace (the XLA transport) there")
+            "use grad_return/all_gather without a workspace (the XLA transport) there"
+        )
     return n
 
 
@@ -91,14 +92,24 @@ class Workspace:
         that restart failed jobs).
     """
 
-    def __init__(self, mesh, axis_name: str = "cp", nbytes: int = 0, *, timeout_s: float | None = None,
-                 name: str | None = None, protocol: str = "auto", sm_budget: int | None = None,
-                 push_share: float | None = None, on_timeout: str = "raise"):
+    def __init__(
+        self,
+        mesh,
+        axis_name: str = "cp",
+        nbytes: int = 0,
+        *,
+        timeout_s: float | None = None,
+        name: str | None = None,
+        protocol: str = "auto",
+        sm_budget: int | None = None,
+        push_share: float | None = None,
+        on_timeout: str = "raise",
+    ):
         n = _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout)
         nbytes = int(nbytes)
         require_cuda("jax_cpgrad.Workspace")
         self._closed = True
-        self._native = None
+        self._native: ext.NativeWorkspace | None = None
         self._failure = ""
         self.mesh = mesh
         timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
@@ -107,8 +118,17 @@ class Workspace:
         groups = _setup.cp_groups(mesh, axis_name)
         me = jax.process_index()
         self._local = [d for d in mesh.devices.flat if d.process_index == me]
-        arguments = [axis_name, n, nbytes, timeout_s, protocol, sm_budget, push_share, on_timeout,
-                     [d.id for d in mesh.devices.flat]]
+        arguments = [
+            axis_name,
+            n,
+            nbytes,
+            timeout_s,
+            protocol,
+            sm_budget,
+            push_share,
+            on_timeout,
+            [d.id for d in mesh.devices.flat],
+        ]
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
         sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in self._local) if self._local else 2
@@ -117,8 +137,16 @@ class Workspace:
         push_blocks = budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
         try:
             native = ext.NativeWorkspace(
-                name, n, nbytes, timeout_s, resolved, budget, push_blocks, on_timeout == "abort",
-                [(d.local_hardware_id, groups[d][0]) for d in self._local])
+                name,
+                n,
+                nbytes,
+                timeout_s,
+                resolved,
+                budget,
+                push_blocks,
+                on_timeout == "abort",
+                [(d.local_hardware_id, groups[d][0]) for d in self._local],
+            )
         except Exception as err:
             _setup.publish_failure(key, err)
             raise
@@ -131,11 +159,18 @@ class Workspace:
         self._native = native
         self._key = key
         self.timeout_s = timeout_s
-        self.spec = WorkspaceSpec(id=native.id, name=name, axis_name=axis_name, n=n, nbytes=nbytes,
-                                  protocol=resolved)
+        self.spec = WorkspaceSpec(
+            id=native.id, name=name, axis_name=axis_name, n=n, nbytes=nbytes, protocol=resolved
+        )
         self.sm_budget, self.push_blocks = budget, push_blocks
         self._closed = False
         _open_workspaces.add(self)
+
+    @property
+    def _open_native(self) -> ext.NativeWorkspace:
+        if self._native is None:
+            raise ValueError(f"workspace '{self.name}' is closed")
+        return self._native
 
     # -- what calls see --------------------------------------------------------------------------
 
@@ -161,7 +196,7 @@ class Workspace:
 
     @property
     def protocol(self) -> str:
-        """"device" or "memop": the protocol this workspace runs (``protocol="auto"`` resolved)."""
+        """ "device" or "memop": the protocol this workspace runs (``protocol="auto"`` resolved)."""
         return self.spec.protocol
 
     @property
@@ -192,15 +227,21 @@ class Workspace:
         groups = _setup.cp_groups(self.mesh, self.axis_name)
         by_ordinal = {d.local_hardware_id: d for d in self._local}
         out = []
-        for ordinal, rank, targets in self._native.push_targets():
+        for ordinal, rank, targets in self._open_native.push_targets():
             group = groups[by_ordinal[ordinal]][1]
-            out.append((ordinal, rank, self._pci_of[by_ordinal[ordinal].id],
-                        [(ptr, self._pci_of[group[owner].id]) for ptr, owner in targets]))
+            out.append(
+                (
+                    ordinal,
+                    rank,
+                    self._pci_of[by_ordinal[ordinal].id],
+                    [(ptr, self._pci_of[group[owner].id]) for ptr, owner in targets],
+                )
+            )
         return out
 
     @property
     def slot_bytes(self) -> int:
-        return self._native.slot_bytes
+        return self._open_native.slot_bytes
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -209,20 +250,25 @@ class Workspace:
         that uses it. A function compiled earlier fails cleanly if called afterwards."""
         if self._closed:
             return
+        native = self._open_native
         self._closed = True
         _open_workspaces.discard(self)
-        problems = list(self._native.begin_close())
-        self._failure = self._native.status()["failure"]
+        problems = list(native.begin_close())
+        self._failure = native.status()["failure"]
         if _distributed.is_multiprocess() and not self._failure:
             try:  # no peer may still write into our memory when we free it
-                _distributed.barrier(f"{self._key}/close", min(self.timeout_s or _setup.SETUP_TIMEOUT_S,
-                                                              _setup.SETUP_TIMEOUT_S))
+                _distributed.barrier(
+                    f"{self._key}/close",
+                    min(self.timeout_s or _setup.SETUP_TIMEOUT_S, _setup.SETUP_TIMEOUT_S),
+                )
             except Exception as err:  # a dead peer writes nothing more: free anyway, but say so
                 problems.append(f"the closing barrier failed ({err}); a peer process probably died")
-        problems += self._native.finish_close()
+        problems += native.finish_close()
         self._native = None  # a closed workspace holds no native object
         if problems:
-            warnings.warn(f"jax_cpgrad: closing workspace '{self.name}': " + "; ".join(problems), stacklevel=2)
+            warnings.warn(
+                f"jax_cpgrad: closing workspace '{self.name}': " + "; ".join(problems), stacklevel=2
+            )
 
     def __enter__(self) -> Workspace:
         return self
@@ -232,8 +278,10 @@ class Workspace:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return (f"Workspace({self.name!r}, axis={self.axis_name!r}, n={self.n}, nbytes={self.nbytes}, "
-                f"protocol={self.protocol!r}, {state})")
+        return (
+            f"Workspace({self.name!r}, axis={self.axis_name!r}, n={self.n}, nbytes={self.nbytes}, "
+            f"protocol={self.protocol!r}, {state})"
+        )
 
 
 def _release_at_exit() -> None:

@@ -33,11 +33,14 @@ def grad_return_reference(x, axis_name: str, seq_axis: int, n: int):
     """
     owner_ordered = to_cp_layout(x, n, seq_axis)
     local_len = x.shape[seq_axis] // n
-    split = owner_ordered.reshape(x.shape[:seq_axis] + (n, local_len) + x.shape[seq_axis + 1:])
+    split = owner_ordered.reshape(x.shape[:seq_axis] + (n, local_len) + x.shape[seq_axis + 1 :])
     # After the all-to-all, index w along seq_axis is the block writer w sent to this rank.
     per_writer = jax.lax.all_to_all(split, axis_name, split_axis=seq_axis, concat_axis=seq_axis, tiled=True)
-    acc = None
-    for w in range(n):
-        part = jax.lax.index_in_dim(per_writer, w, axis=seq_axis, keepdims=False).astype(jnp.float32)
-        acc = part if acc is None else acc + part
+    parts = [
+        jax.lax.index_in_dim(per_writer, w, axis=seq_axis, keepdims=False).astype(jnp.float32)
+        for w in range(n)
+    ]
+    acc = parts[0]  # from writer 0's value, not from zero (0 + x would turn -0.0 into 0.0)
+    for part in parts[1:]:
+        acc = acc + part
     return acc.astype(x.dtype)

@@ -26,13 +26,17 @@ import numpy as np  # noqa: E402
 import jax_cpgrad as cpg  # noqa: E402
 from jax_cpgrad import _testing, launch  # noqa: E402
 from oracle import DTYPES, all_gather_oracle, bits, grad_return_oracle, random_array  # noqa: E402
-from spmd import cp_mesh, local_ranks, spmd, spmd_jit, place, per_rank_results  # noqa: E402
+from spmd import cp_mesh, local_ranks, per_rank_results, place, spmd, spmd_jit  # noqa: E402
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
 # (shape, seq_axis) per layout, for CP size n. "odd": runs of 105 elements, not a multiple of 16
 # bytes (the narrow kernels); "tiles": a call cut into ~75 tiles whose edges fall inside rows.
-LAYOUTS = {"BSHD": lambda n: ((2, 16 * n, 4, 64), 1), "SBHD": lambda n: ((16 * n, 2, 4, 64), 0),
-           "odd": lambda n: ((3, 14 * n, 5, 3), 1), "tiles": lambda n: ((2, 200 * n, 6, 64), 1)}
+LAYOUTS = {
+    "BSHD": lambda n: ((2, 16 * n, 4, 64), 1),
+    "SBHD": lambda n: ((16 * n, 2, 4, 64), 0),
+    "odd": lambda n: ((3, 14 * n, 5, 3), 1),
+    "tiles": lambda n: ((2, 200 * n, 6, 64), 1),
+}
 
 
 def workspace(mesh, nbytes, **kwargs):
@@ -52,6 +56,23 @@ def _equal_bits(got: dict, want: list, what: str, failures: list) -> None:
             failures.append(f"{what}: rank {r}: {bad} of {arr.size} elements differ")
 
 
+def _collective(op, seq: int, ws):
+    """The per-rank body calling `op` (grad_return or all_gather) on its arguments as one tuple."""
+    return lambda *xs: op(xs, axis_name="cp", seq_axis=seq, workspace=ws)
+
+
+def _grad_of_all_gather(seq: int, ws):
+    """(k, w) -> d/dk sum(w * all_gather(k)): the peer grad_return of w, through the VJP."""
+
+    def body(k, w):
+        loss = lambda x: jnp.sum(
+            (w * cpg.all_gather(x, axis_name="cp", seq_axis=seq, workspace=ws)).astype(jnp.float32)
+        )
+        return jax.grad(loss)(k)
+
+    return body
+
+
 def correctness(mesh, n):
     """grad_return / all_gather / grad / vmap with the workspace, bitwise against the oracle."""
     failures = []
@@ -62,37 +83,40 @@ def correctness(mesh, n):
                 rng = np.random.default_rng(7)
                 dk = random_array(rng, (n,) + shape, dtype)
                 dv = random_array(rng, (n,) + shape, dtype)
-                got_k, got_v = spmd(mesh, lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=seq, workspace=ws))(dk, dv)
+                got_k, got_v = spmd(mesh, _collective(cpg.grad_return, seq, ws))(dk, dv)
                 tag = f"{dtype}/{layout}"
                 _equal_bits(got_k, grad_return_oracle(list(dk), n, seq), f"grad_return dK {tag}", failures)
                 _equal_bits(got_v, grad_return_oracle(list(dv), n, seq), f"grad_return dV {tag}", failures)
 
-                local_shape = shape[:seq] + (shape[seq] // n,) + shape[seq + 1:]
+                local_shape = shape[:seq] + (shape[seq] // n,) + shape[seq + 1 :]
                 k = random_array(rng, (n,) + local_shape, dtype)
                 v = random_array(rng, (n,) + local_shape, dtype)
-                gk, gv = spmd(mesh, lambda a, b: cpg.all_gather((a, b), axis_name="cp", seq_axis=seq, workspace=ws))(k, v)
+                gk, gv = spmd(mesh, _collective(cpg.all_gather, seq, ws))(k, v)
                 _equal_bits(gk, [all_gather_oracle(list(k), n, seq)] * n, f"all_gather K {tag}", failures)
                 _equal_bits(gv, [all_gather_oracle(list(v), n, seq)] * n, f"all_gather V {tag}", failures)
 
                 # The VJP of all_gather is the peer grad_return: d/dk sum(w * all_gather(k)) = grad_return(w).
                 w = random_array(rng, (n,) + shape, dtype)
-
-                def grad_body(kk, ww):
-                    loss = lambda x: jnp.sum((ww * cpg.all_gather(x, axis_name="cp", seq_axis=seq, workspace=ws)).astype(jnp.float32))
-                    return jax.grad(loss)(kk)
                 # The cotangent of the product arrives in `dtype`: w itself, so the result is exact.
-                g = spmd(mesh, grad_body)(k, w)
+                g = spmd(mesh, _grad_of_all_gather(seq, ws))(k, w)
                 _equal_bits(g, grad_return_oracle(list(w), n, seq), f"grad(all_gather) {tag}", failures)
 
         # vmap over B: per-example [S, H, D] with seq_axis 0.
         shape, seq = LAYOUTS["BSHD"](n)
         rng = np.random.default_rng(8)
         dk = random_array(rng, (n,) + shape, "float32")
-        out = spmd(mesh, lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a))(dk)
+        out = spmd(
+            mesh,
+            lambda a: jax.vmap(lambda x: cpg.grad_return(x, axis_name="cp", seq_axis=0, workspace=ws))(a),
+        )(dk)
         _equal_bits(out, grad_return_oracle(list(dk), n, seq), "vmap grad_return", failures)
         status = ws.status()
-    return result({"bitwise_equal_to_oracle": not failures}, failures=failures[:20], epochs=status["epochs"],
-                  protocol=ws.protocol)
+    return result(
+        {"bitwise_equal_to_oracle": not failures},
+        failures=failures[:20],
+        epochs=status["epochs"],
+        protocol=ws.protocol,
+    )
 
 
 def _integer_data(n, shape, seed):
@@ -105,9 +129,11 @@ def _run_calls(mesh, n, ws, base, calls_per_step, steps, seq):
 
     Values are small integers, so every sum is exact and any stale or torn slot shows.
     """
+
     def body(x, offset):
         def one(_, c):
             return None, cpg.grad_return(x + (offset + c), axis_name="cp", seq_axis=seq, workspace=ws)
+
         _, outs = jax.lax.scan(one, None, jnp.arange(calls_per_step, dtype=jnp.float32))
         return outs
 
@@ -144,8 +170,18 @@ def _race(mesh, n, protected: bool, slow_owner: bool = False):
         checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=50, steps=21, seq=seq)
         elapsed = time.time() - t0
         epochs = ws.status()["epochs"]
-    return checked, bad, dict(checked_calls=checked, bad_calls=len(bad), first_bad=bad[:5],
-                              seconds=round(elapsed, 2), epochs=epochs, protocol=ws.protocol)
+    return (
+        checked,
+        bad,
+        dict(
+            checked_calls=checked,
+            bad_calls=len(bad),
+            first_bad=bad[:5],
+            seconds=round(elapsed, 2),
+            epochs=epochs,
+            protocol=ws.protocol,
+        ),
+    )
 
 
 def race(mesh, n):
@@ -207,8 +243,14 @@ def graphs(mesh, n):
     checks = {"every_call_right": bad == 0, "after_close_error_or_nan": after_close in ("error", "nan")}
     if dump is not None:
         checks["xla_captured_the_calls"] = dump["captured"]
-    return result(checks, checked_calls=steps * calls * len(local_ranks(mesh)), bad_calls=bad,
-                  after_close=after_close, dump=dump, protocol=ws.protocol)
+    return result(
+        checks,
+        checked_calls=steps * calls * len(local_ranks(mesh)),
+        bad_calls=bad,
+        after_close=after_close,
+        dump=dump,
+        protocol=ws.protocol,
+    )
 
 
 def _command_buffer_dump(module_part: str):
@@ -224,8 +266,11 @@ def _command_buffer_dump(module_part: str):
     files = sorted(glob.glob(os.path.join(match.group(1), f"*{module_part}*thunk*")))
     after = [f for f in files if "after" in os.path.basename(f)]
     text = "".join(open(f).read() for f in after)
-    return {"files": [os.path.basename(f) for f in files][:6], "captured": "kCommandBuffer" in text,
-            "head": text[:600]}
+    return {
+        "files": [os.path.basename(f) for f in files][:6],
+        "captured": "kCommandBuffer" in text,
+        "head": text[:600],
+    }
 
 
 def wrap(mesh, n):
@@ -236,9 +281,16 @@ def wrap(mesh, n):
         _testing.set_epoch(ws, 2**32 - 25)
         checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=20, steps=3, seq=seq)
         epochs = ws.status()["epochs"]
-    return result({"every_call_right": not bad, "all_calls_ran": checked == 60 * len(local_ranks(mesh)),
-                   "epochs_wrapped_past_2**32": all(e < 1000 for _, _, e in epochs)},
-                  checked_calls=checked, bad_calls=len(bad), epochs_after=epochs)
+    return result(
+        {
+            "every_call_right": not bad,
+            "all_calls_ran": checked == 60 * len(local_ranks(mesh)),
+            "epochs_wrapped_past_2**32": all(e < 1000 for _, _, e in epochs),
+        },
+        checked_calls=checked,
+        bad_calls=len(bad),
+        epochs_after=epochs,
+    )
 
 
 def errors(mesh, n):
@@ -300,11 +352,19 @@ def soak(mesh, n):
         elapsed = time.time() - t0
         free_after = ext.device_memory(device)[0]
     per_process_calls = 100_000 * len(local_ranks(mesh))
-    return result({"every_call_right": not bad, "all_calls_ran": checked == per_process_calls,
-                   "no_device_memory_drift": abs(free_before - free_after) < (64 << 20)},
-                  checked_calls=checked, bad_calls=len(bad), seconds=round(elapsed, 1),
-                  us_per_call=round(elapsed / 100_000 * 1e6, 1),
-                  free_mib_before=free_before >> 20, free_mib_after=free_after >> 20)
+    return result(
+        {
+            "every_call_right": not bad,
+            "all_calls_ran": checked == per_process_calls,
+            "no_device_memory_drift": abs(free_before - free_after) < (64 << 20),
+        },
+        checked_calls=checked,
+        bad_calls=len(bad),
+        seconds=round(elapsed, 1),
+        us_per_call=round(elapsed / 100_000 * 1e6, 1),
+        free_mib_before=free_before >> 20,
+        free_mib_after=free_after >> 20,
+    )
 
 
 def lifecycle(mesh, n):
@@ -319,7 +379,9 @@ def lifecycle(mesh, n):
     def one_cycle(check: bool):
         with workspace(mesh, 4 << 20, name="cycle") as ws:
             if check:
-                out = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))(base)
+                out = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))(
+                    base
+                )
                 return all(np.array_equal(v, want[r]) for r, v in out.items())
         return True
 
@@ -332,10 +394,18 @@ def lifecycle(mesh, n):
     elapsed = time.time() - t0
     free_after = ext.device_memory(device)[0]
     mappings_after = ext.open_ipc_mappings()
-    return result({"calls_right": ok_calls, "no_ipc_mapping_left": mappings_after == mappings_before == 0,
-                   "no_device_memory_drift": free_before - free_after < (64 << 20)},
-                  cycles=1000, seconds=round(elapsed, 1), free_mib_before=free_before >> 20,
-                  free_mib_after=free_after >> 20, open_ipc_mappings_after=mappings_after)
+    return result(
+        {
+            "calls_right": ok_calls,
+            "no_ipc_mapping_left": mappings_after == mappings_before == 0,
+            "no_device_memory_drift": free_before - free_after < (64 << 20),
+        },
+        cycles=1000,
+        seconds=round(elapsed, 1),
+        free_mib_before=free_before >> 20,
+        free_mib_after=free_after >> 20,
+        open_ipc_mappings_after=mappings_after,
+    )
 
 
 def independent(mesh, n):
@@ -362,10 +432,15 @@ def independent(mesh, n):
     f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=spec, out_specs=spec))
     sharding = NamedSharding(mesh2, spec)
     me = local_ranks(mesh)[0]
-    arr = jax.make_array_from_process_local_data(sharding, base[me:me + 1], base.shape) \
-        if jax.process_count() > 1 else jax.device_put(base, sharding)
-    out = {int(np.where(np.asarray(mesh2.devices).flat == s.device)[0][0]): np.asarray(s.data)[0]
-           for s in f(arr).addressable_shards}
+    arr = (
+        jax.make_array_from_process_local_data(sharding, base[me : me + 1], base.shape)
+        if jax.process_count() > 1
+        else jax.device_put(base, sharding)
+    )
+    out = {
+        int(np.where(np.asarray(mesh2.devices).flat == s.device)[0][0]): np.asarray(s.data)[0]
+        for s in f(arr).addressable_shards
+    }
     failures = []
     for r, got in out.items():
         dp, cp = divmod(r, 2)
@@ -403,8 +478,12 @@ def exit_closed(mesh, n):
         out = f(base)
     _KEPT.append(f)
     want = grad_return_oracle(list(base), n, seq)
-    return result({"calls_right": all(np.array_equal(v, want[r]) for r, v in out.items()),
-                   "closed_holds_no_native_object": ws._native is None})
+    return result(
+        {
+            "calls_right": all(np.array_equal(v, want[r]) for r, v in out.items()),
+            "closed_holds_no_native_object": ws._native is None,
+        }
+    )
 
 
 def mismatch(mesh, n):
@@ -417,8 +496,10 @@ def mismatch(mesh, n):
         from jax_cpgrad import _distributed
 
         _distributed.barrier("mismatch_reported", 60)  # rank 0 hosts the coordinator: wait for all
-        return result({"raised": True, "names_the_mismatch": "different arguments on different processes" in str(err)},
-                      error=str(err)[:500])
+        return result(
+            {"raised": True, "names_the_mismatch": "different arguments on different processes" in str(err)},
+            error=str(err)[:500],
+        )
 
 
 def allocation_failure(mesh, n):
@@ -427,18 +508,21 @@ def allocation_failure(mesh, n):
     import time
 
     import jax
-    from jax_cpgrad import _distributed
-    from jax_cpgrad import workspace as workspace_module
+
+    from jax_cpgrad import _distributed, workspace as workspace_module
 
     failing = jax.process_count() - 1
     real_ext = workspace_module.ext
+
     class ExtWithoutMemory:  # the native module, except that allocating a workspace fails
         def __getattr__(self, name):
             return getattr(real_ext, name)
 
         @staticmethod
         def NativeWorkspace(*args):
-            raise RuntimeError("jax_cpgrad: out of GPU memory allocating the workspace (injected by the test)")
+            raise RuntimeError(
+                "jax_cpgrad: out of GPU memory allocating the workspace (injected by the test)"
+            )
 
     if jax.process_index() == failing:
         workspace_module.ext = ExtWithoutMemory()
@@ -452,10 +536,19 @@ def allocation_failure(mesh, n):
         workspace_module.ext = real_ext
     seconds = time.monotonic() - start
     _distributed.barrier("allocation_failure_reported", 60)  # rank 0 hosts the coordinator: wait for all
-    expected = "injected by the test" if jax.process_index() == failing else f"process {failing} could not create"
-    return result({"raised": error is not None, "names_the_failing_process": expected in (error or ""),
-                   "carries_its_error": "injected by the test" in (error or ""), "at_once": seconds < 60},
-                  error=(error or "no error raised")[:500], seconds=round(seconds, 2))
+    expected = (
+        "injected by the test" if jax.process_index() == failing else f"process {failing} could not create"
+    )
+    return result(
+        {
+            "raised": error is not None,
+            "names_the_failing_process": expected in (error or ""),
+            "carries_its_error": "injected by the test" in (error or ""),
+            "at_once": seconds < 60,
+        },
+        error=(error or "no error raised")[:500],
+        seconds=round(seconds, 2),
+    )
 
 
 def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
@@ -472,8 +565,11 @@ def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
         straggler_action()
     t0 = time.time()
     out = f(base)[me]
-    second = {"seconds": round(time.time() - t0, 2), "correct": bool(np.array_equal(out, want)),
-              "all_nan": bool(np.all(np.isnan(out)))}
+    second = {
+        "seconds": round(time.time() - t0, 2),
+        "correct": bool(np.array_equal(out, want)),
+        "all_nan": bool(np.all(np.isnan(out))),
+    }
     print(f"STEP second call done: {second}", flush=True)
     try:
         ws.check()
@@ -492,47 +588,92 @@ def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
 def missing_peer(mesh, n):
     """The last rank stalls far past the timeout: the others fail, naming it, and do not hang."""
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
-        mesh, n, timeout_s=3.0, straggler_action=lambda: time.sleep(15))
+        mesh, n, timeout_s=3.0, straggler_action=lambda: time.sleep(15)
+    )
     if me == n - 1:
         return result({"first_call_right": first_ok}, role="straggler")
     named = f"CP ranks [{n - 1}] never arrived"
-    return result({"first_call_right": first_ok, "stuck_call_is_nan": second["all_nan"],
-                   "stuck_call_returned_within_12s": second["seconds"] < 12,
-                   "check_names_the_missing_rank": named in (check_error or ""),
-                   "next_call_fails_saying_timed_out": "timed out" in (third_error or "")},
-                  role="waiter", second_call=second, check_error=check_error, third_call_error=third_error)
+    return result(
+        {
+            "first_call_right": first_ok,
+            "stuck_call_is_nan": second["all_nan"],
+            "stuck_call_returned_within_12s": second["seconds"] < 12,
+            "check_names_the_missing_rank": named in (check_error or ""),
+            "next_call_fails_saying_timed_out": "timed out" in (third_error or ""),
+        },
+        role="waiter",
+        second_call=second,
+        check_error=check_error,
+        third_call_error=third_error,
+    )
 
 
 def slow_peer(mesh, n):
     """The last rank stalls 3 s, well inside a 20 s timeout: everyone's results stay correct."""
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
-        mesh, n, timeout_s=20.0, straggler_action=lambda: time.sleep(3))
+        mesh, n, timeout_s=20.0, straggler_action=lambda: time.sleep(3)
+    )
     ws.close()
-    return result({"first_call_right": first_ok, "delayed_call_right": second["correct"],
-                   "no_failure_reported": check_error is None, "next_call_fine": third_error is None},
-                  second_call=second, check_error=check_error, third_call_error=third_error)
+    return result(
+        {
+            "first_call_right": first_ok,
+            "delayed_call_right": second["correct"],
+            "no_failure_reported": check_error is None,
+            "next_call_fine": third_error is None,
+        },
+        second_call=second,
+        check_error=check_error,
+        third_call_error=third_error,
+    )
 
 
 def dead_peer(mesh, n):
     """The last rank's process exits before call 2: the others fail within the timeout, naming it."""
+
     def die():
-        print("RESULT " + json.dumps({"scenario": "dead_peer", "ok": True, "checks": {}, "role": "dead", "n": n}),
-              flush=True)
+        print(
+            "RESULT "
+            + json.dumps({"scenario": "dead_peer", "ok": True, "checks": {}, "role": "dead", "n": n}),
+            flush=True,
+        )
         os._exit(0)
+
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
-        mesh, n, timeout_s=4.0, straggler_action=die)
+        mesh, n, timeout_s=4.0, straggler_action=die
+    )
     named = f"CP ranks [{n - 1}] never arrived"
-    return result({"first_call_right": first_ok, "stuck_call_is_nan": second["all_nan"],
-                   "check_names_the_dead_rank": named in (check_error or "")},
-                  role="survivor", second_call=second, check_error=check_error, third_call_error=third_error)
+    return result(
+        {
+            "first_call_right": first_ok,
+            "stuck_call_is_nan": second["all_nan"],
+            "check_names_the_dead_rank": named in (check_error or ""),
+        },
+        role="survivor",
+        second_call=second,
+        check_error=check_error,
+        third_call_error=third_error,
+    )
 
 
-SCENARIOS = {"correctness": correctness, "race": race, "race_slow_owner": race_slow_owner,
-             "race_unprotected": race_unprotected, "graphs": graphs,
-             "wrap": wrap, "errors": errors, "exit_closed": exit_closed,
-             "missing_peer": missing_peer, "slow_peer": slow_peer, "dead_peer": dead_peer,
-             "soak": soak, "lifecycle": lifecycle, "independent": independent, "mismatch": mismatch,
-             "exit_open": exit_open, "allocation_failure": allocation_failure}
+SCENARIOS = {
+    "correctness": correctness,
+    "race": race,
+    "race_slow_owner": race_slow_owner,
+    "race_unprotected": race_unprotected,
+    "graphs": graphs,
+    "wrap": wrap,
+    "errors": errors,
+    "exit_closed": exit_closed,
+    "missing_peer": missing_peer,
+    "slow_peer": slow_peer,
+    "dead_peer": dead_peer,
+    "soak": soak,
+    "lifecycle": lifecycle,
+    "independent": independent,
+    "mismatch": mismatch,
+    "exit_open": exit_open,
+    "allocation_failure": allocation_failure,
+}
 
 
 def main(names: list[str]) -> int:

@@ -26,7 +26,7 @@ def place(mesh: Mesh, stacked: np.ndarray, axis: str = "cp"):
     sharding = NamedSharding(mesh, P(axis))
     if jax.process_count() == 1:
         return jax.device_put(stacked, sharding)
-    local = np.concatenate([stacked[r:r + 1] for r in local_ranks(mesh)])
+    local = np.concatenate([stacked[r : r + 1] for r in local_ranks(mesh)])
     return jax.make_array_from_process_local_data(sharding, local, stacked.shape)
 
 
@@ -37,8 +37,10 @@ def per_rank_results(mesh: Mesh, out) -> dict[int, np.ndarray]:
 
 def spmd_jit(mesh: Mesh, body, axis: str = "cp"):
     """jit(shard_map(body)): each rank's body gets its slices; outputs gain a leading rank axis."""
+
     def wrapped(*xs):
         return jax.tree.map(lambda o: o[None], body(*(x[0] for x in xs)))
+
     wrapped.__name__ = getattr(body, "__name__", "wrapped")  # names XLA's module (jit_<name>)
     return jax.jit(jax.shard_map(wrapped, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
 
@@ -50,4 +52,5 @@ def spmd(mesh: Mesh, body, axis: str = "cp"):
     def run(*stacked):
         out = f(*(place(mesh, s, axis) for s in stacked))
         return jax.tree.map(lambda o: per_rank_results(mesh, o), out)
+
     return run

@@ -70,9 +70,13 @@ def test_cpu_smoke_run_measures_every_cpu_baseline_in_both_modes_and_ops(smoke):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["calls_per_run"] == (3 if r["mode"] == "latency" else 2)
         assert r["of_ceiling"] is None and r["ceiling_s"] is None
-        if r["mode"] == "bandwidth":  # wall time; a latency row is a slope, which noise on a busy CPU can flip
+        if (
+            r["mode"] == "bandwidth"
+        ):  # wall time; a latency row is a slope, which noise on a busy CPU can flip
             assert r["min_s"] > 0 and r["vs_best_nccl"] > 0
-            assert r["busbw_gbps"] == pytest.approx(7 / 8 * 2 * r["global_bytes_per_tensor"] / r["median_s"] / 1e9)
+            assert r["busbw_gbps"] == pytest.approx(
+                7 / 8 * 2 * r["global_bytes_per_tensor"] / r["median_s"] / 1e9
+            )
         if r["transport"] == "nccl":
             assert r["vs_best_nccl"] == pytest.approx(1.0)
 

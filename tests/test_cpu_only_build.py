@@ -35,8 +35,15 @@ except RuntimeError as err:
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 def test_cpu_only_build_imports_and_explains_gpu_calls(tmp_path):
     build = tmp_path / "build"
-    configure = [shutil.which("cmake"), "-S", ROOT, "-B", str(build), "-DJAX_CPGRAD_CUDA=OFF",
-                 f"-DPython_EXECUTABLE={sys.executable}"]
+    configure = [
+        shutil.which("cmake"),
+        "-S",
+        ROOT,
+        "-B",
+        str(build),
+        "-DJAX_CPGRAD_CUDA=OFF",
+        f"-DPython_EXECUTABLE={sys.executable}",
+    ]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     for cmd in (configure, [shutil.which("cmake"), "--build", str(build), "-j", "2"]):
@@ -44,11 +51,21 @@ def test_cpu_only_build_imports_and_explains_gpu_calls(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # A copy of the package with the CPU-only module in place of the installed one.
     package = tmp_path / "pkg" / "jax_cpgrad"
-    shutil.copytree(os.path.join(ROOT, "jax_cpgrad"), package,
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(
+        os.path.join(ROOT, "jax_cpgrad"), package, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
     for so in build.glob("_cpgrad_ext*.so"):
         shutil.copy(so, package)
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(package.parent), JAX_PLATFORMS="cpu"))
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(package.parent), JAX_PLATFORMS="cpu"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ERROR: jax_cpgrad.Workspace needs the CUDA peer transport, but jax_cpgrad was built without CUDA" in proc.stdout
+    assert (
+        "ERROR: jax_cpgrad.Workspace needs the CUDA peer transport, but jax_cpgrad was built without CUDA"
+        in proc.stdout
+    )

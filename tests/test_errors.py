@@ -15,8 +15,14 @@ cp_mesh = lambda n: _mesh(n, "cpu")
 
 def _trace(n, fn, *arrays):
     mesh = cp_mesh(n)
-    f = jax.jit(jax.shard_map(lambda *xs: jax.tree.map(lambda o: o[None], fn(*(x[0] for x in xs))),
-                              mesh=mesh, in_specs=P("cp"), out_specs=P("cp")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda *xs: jax.tree.map(lambda o: o[None], fn(*(x[0] for x in xs))),
+            mesh=mesh,
+            in_specs=P("cp"),
+            out_specs=P("cp"),
+        )
+    )
     return f(*(place(mesh, a) for a in arrays))
 
 
@@ -24,26 +30,62 @@ def z(*shape, dtype=np.float32):
     return np.zeros(shape, dtype)
 
 
-@pytest.mark.parametrize("fn,arrays,match", [
-    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1), [z(2, 2, 10, 3)],
-     "global sequence length 10 .* multiple of 4"),
-    (lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1), [z(2, 2, 3, 3)],
-     "local sequence length 3 .* multiple of 2"),
-    (lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1), [z(2, 2, 8, 3), z(2, 2, 8, 4)],
-     "same shape and dtype"),
-    (lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1),
-     [z(2, 2, 8, 3), z(2, 2, 8, 3, dtype=np.float16)], "same shape and dtype"),
-    (lambda a: cpg.grad_return(a, axis_name="tp", seq_axis=1), [z(2, 2, 8, 3)],
-     "axis name 'tp' is not bound"),
-    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=3), [z(2, 2, 8, 3)], "seq_axis 3 is out of range"),
-    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=-4), [z(2, 2, 8, 3)], "seq_axis -4 is out of range"),
-    (lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3, dtype=np.int32)],
-     "dtype int32"),
-    (lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3, dtype=np.complex64)],
-     "dtype complex64"),
-    (lambda a: cpg.grad_return((), axis_name="cp", seq_axis=1), [z(2, 2, 8, 3)], "empty tuple"),
-    (lambda a: cpg.grad_return((a,) * 9, axis_name="cp", seq_axis=1), [z(2, 2, 8, 3)], "at most 8 arrays"),
-])
+@pytest.mark.parametrize(
+    "fn,arrays,match",
+    [
+        (
+            lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1),
+            [z(2, 2, 10, 3)],
+            "global sequence length 10 .* multiple of 4",
+        ),
+        (
+            lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1),
+            [z(2, 2, 3, 3)],
+            "local sequence length 3 .* multiple of 2",
+        ),
+        (
+            lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1),
+            [z(2, 2, 8, 3), z(2, 2, 8, 4)],
+            "same shape and dtype",
+        ),
+        (
+            lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1),
+            [z(2, 2, 8, 3), z(2, 2, 8, 3, dtype=np.float16)],
+            "same shape and dtype",
+        ),
+        (
+            lambda a: cpg.grad_return(a, axis_name="tp", seq_axis=1),
+            [z(2, 2, 8, 3)],
+            "axis name 'tp' is not bound",
+        ),
+        (
+            lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=3),
+            [z(2, 2, 8, 3)],
+            "seq_axis 3 is out of range",
+        ),
+        (
+            lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=-4),
+            [z(2, 2, 8, 3)],
+            "seq_axis -4 is out of range",
+        ),
+        (
+            lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1),
+            [z(2, 2, 8, 3, dtype=np.int32)],
+            "dtype int32",
+        ),
+        (
+            lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1),
+            [z(2, 2, 8, 3, dtype=np.complex64)],
+            "dtype complex64",
+        ),
+        (lambda a: cpg.grad_return((), axis_name="cp", seq_axis=1), [z(2, 2, 8, 3)], "empty tuple"),
+        (
+            lambda a: cpg.grad_return((a,) * 9, axis_name="cp", seq_axis=1),
+            [z(2, 2, 8, 3)],
+            "at most 8 arrays",
+        ),
+    ],
+)
 def test_bad_input_raises_value_error(fn, arrays, match):
     with pytest.raises(ValueError, match=match):
         _trace(2, fn, *arrays)
@@ -60,25 +102,40 @@ def test_workspace_needs_gpus():
         cpg.Workspace(mesh, "cp", nbytes=1024)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(axis_name="sp", nbytes=1024), "not an axis of the mesh"),
-    (dict(axis_name="cp", nbytes=0), "nbytes must be a positive int"),
-    (dict(axis_name="cp", nbytes=-5), "nbytes must be a positive int"),
-    (dict(axis_name="cp", nbytes=1.5), "nbytes must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(axis_name="sp", nbytes=1024), "not an axis of the mesh"),
+        (dict(axis_name="cp", nbytes=0), "nbytes must be a positive int"),
+        (dict(axis_name="cp", nbytes=-5), "nbytes must be a positive int"),
+        (dict(axis_name="cp", nbytes=1.5), "nbytes must be a positive int"),
+    ],
+)
 def test_workspace_argument_checks(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cpg.Workspace(cp_mesh(2), **kwargs)
 
 
-@pytest.mark.parametrize("fields,fn,match", [
-    (dict(axis_name="sp"), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
-     "was created for axis 'sp'"),
-    (dict(n=4), lambda ws: lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1, workspace=ws),
-     "has 2 devices but workspace 'stub' was created for 4"),
-    (dict(nbytes=64), lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
-     "moves 96 bytes per device .* holds 64"),
-])
+@pytest.mark.parametrize(
+    "fields,fn,match",
+    [
+        (
+            dict(axis_name="sp"),
+            lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
+            "was created for axis 'sp'",
+        ),
+        (
+            dict(n=4),
+            lambda ws: lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1, workspace=ws),
+            "has 2 devices but workspace 'stub' was created for 4",
+        ),
+        (
+            dict(nbytes=64),
+            lambda ws: lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=1, workspace=ws),
+            "moves 96 bytes per device .* holds 64",
+        ),
+    ],
+)
 def test_workspace_mismatches_raise_before_tracing_the_call(fields, fn, match):
     with pytest.raises(ValueError, match=match):
         _trace(2, fn(workspace_spec(**fields)), z(2, 2, 8, 3))
@@ -89,12 +146,15 @@ def test_a_workspace_description_names_its_protocol():
         workspace_spec(protocol="nccl")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(protocol="fast"), "protocol must be 'auto', 'device' or 'memop'"),
-    (dict(sm_budget=1), "sm_budget must be an int >= 2"),
-    (dict(push_share=1.5), r"push_share must be in \(0, 1\]"),
-    (dict(on_timeout="ignore"), "on_timeout must be 'raise' or 'abort'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(protocol="fast"), "protocol must be 'auto', 'device' or 'memop'"),
+        (dict(sm_budget=1), "sm_budget must be an int >= 2"),
+        (dict(push_share=1.5), r"push_share must be in \(0, 1\]"),
+        (dict(on_timeout="ignore"), "on_timeout must be 'raise' or 'abort'"),
+    ],
+)
 def test_workspace_option_checks(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cpg.Workspace(cp_mesh(2), "cp", nbytes=1024, **kwargs)

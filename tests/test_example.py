@@ -28,10 +28,13 @@ def test_cp_loss_and_gradients_match_unsharded(n, dtype):
     step = make_train_step(cfg, mesh)
     _, loss, grads = local_value(step(replicate(mesh, params), *shard_batch(mesh, tokens, targets)))
     np.testing.assert_allclose(loss, ref_loss, **TOL[dtype])
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    for (path, g), r in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
         scale = float(np.max(np.abs(r))) or 1.0
-        np.testing.assert_allclose(g, r, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["rtol"] * scale,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            g, r, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["rtol"] * scale, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_training_reduces_the_loss():

@@ -1,6 +1,5 @@
-"""The example script, the demo and the benchmark scripts run (small sizes, CPU); the kernel sweep compiles."""
+"""The example script and the demo run (small sizes, CPU); the kernel sweep compiles."""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,9 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 def _run(args, timeout=300):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -47,7 +48,20 @@ def test_kernel_variant_sweep_compiles(tmp_path):
     nvcc = _find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (CUDA_HOME or /usr/local/cuda)")
-    proc = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "--extended-lambda", "-c",
-                           os.path.join(ROOT, "benchmarks", "sweeps", "kernel_variants.cu"),
-                           "-o", str(tmp_path / "kv.o")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            nvcc,
+            "-O3",
+            "-std=c++17",
+            "-arch=sm_90",
+            "--extended-lambda",
+            "-c",
+            os.path.join(ROOT, "benchmarks", "sweeps", "kernel_variants.cu"),
+            "-o",
+            str(tmp_path / "kv.o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

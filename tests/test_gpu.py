@@ -39,7 +39,7 @@ def _results(out: list) -> dict:
     for rank_result in out:
         for line in rank_result.output.splitlines():
             if line.startswith("RESULT "):
-                res = json.loads(line[len("RESULT "):])
+                res = json.loads(line[len("RESULT ") :])
                 found[(res["scenario"], rank_result.rank)] = res
     return found
 
@@ -51,7 +51,9 @@ def _run(n, scenarios, timeout_s=540, env=None, allow_failure=False, protocol="a
         out = launch.launch(argv, n, timeout_s=timeout_s, env=env, echo=False)
     except launch.LaunchError as err:
         if not allow_failure:
-            tails = "\n".join(f"--- rank {r.rank} (code {r.returncode}):\n{r.output[-3000:]}" for r in err.results)
+            tails = "\n".join(
+                f"--- rank {r.rank} (code {r.returncode}):\n{r.output[-3000:]}" for r in err.results
+            )
             pytest.fail(f"{err}\n{tails}")
         out = err.results
     return _results(out)
@@ -63,7 +65,9 @@ def _assert_all_ok(found, n, scenarios):
             res = found.get((scenario, rank))
             assert res is not None, f"rank {rank} printed no result for {scenario}"
             failed = [name for name, held in res.get("checks", {}).items() if not held]
-            assert res["ok"], f"{scenario} failed on rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
+            assert res["ok"], (
+                f"{scenario} failed on rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
+            )
 
 
 def _need_own_gpus(n, protocol):
@@ -94,7 +98,10 @@ def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
     protection also removed (test builds' hooks) calls go wrong: the negative control, so the
     race tests can fail."""
     _need_own_gpus(2, protocol)
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    _need(
+        jax_cpgrad._native.HAS_TEST_HOOKS,
+        "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)",
+    )
     scenarios = ["race_slow_owner", "race_unprotected"]
     found = _run(2, scenarios, protocol=protocol)
     _assert_all_ok(found, 2, scenarios)
@@ -165,10 +172,18 @@ def _run_in_one_process(scenarios, timeout_s, **env):
     """The worker as a single process over every GPU it sees; fails unless every scenario is ok."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True,
-                          timeout=timeout_s, env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env))
-    found = {json.loads(line[7:])["scenario"]: json.loads(line[7:])
-             for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    proc = subprocess.run(
+        [sys.executable, WORKER, ",".join(scenarios)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env),
+    )
+    found = {
+        json.loads(line[7:])["scenario"]: json.loads(line[7:])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    }
     for scenario in scenarios:
         assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
         failed = [name for name, held in found[scenario].get("checks", {}).items() if not held]

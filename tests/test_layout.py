@@ -12,7 +12,7 @@ def test_chunk_arithmetic_is_consistent(n):
     for r in range(n):
         first, second = cpg.local_chunks(r, n)
         assert (first, second) == (r, 2 * n - 1 - r)
-        assert order[2 * r: 2 * r + 2] == [first, second]
+        assert order[2 * r : 2 * r + 2] == [first, second]
         for half, chunk in enumerate((first, second)):
             assert ext.owner_of(chunk, n) == r
             assert ext.half_of(chunk, n) == half
@@ -21,8 +21,11 @@ def test_chunk_arithmetic_is_consistent(n):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("seq_axis", [0, 1, -3])
 def test_layout_round_trip(n, seq_axis):
-    x = np.arange(2 * 4 * n * 3 * 5).reshape(2, 4 * n, 3, 5) if seq_axis != 0 else \
-        np.arange(4 * n * 2 * 3).reshape(4 * n, 2, 3)
+    x = (
+        np.arange(2 * 4 * n * 3 * 5).reshape(2, 4 * n, 3, 5)
+        if seq_axis != 0
+        else np.arange(4 * n * 2 * 3).reshape(4 * n, 2, 3)
+    )
     ax = seq_axis % x.ndim
     y = cpg.to_cp_layout(x, n, seq_axis)
     # Rank r's shard of the CP-layout array is chunks r and 2n-1-r of the natural one.
@@ -40,13 +43,16 @@ def test_layout_works_on_jax_arrays():
     np.testing.assert_array_equal(cpg.from_cp_layout(cpg.to_cp_layout(x, 4, 1), 4, 1), x)
 
 
-@pytest.mark.parametrize("shape,seq_axis,n,match", [
-    ((2, 12, 3), 1, 4, "must be a positive multiple of 8"),
-    ((2, 12, 3), 3, 2, "out of range"),
-    ((2, 12, 3), -4, 2, "out of range"),
-    ((2, 12, 3), 1.0, 2, "must be an int"),
-    ((2, 12, 3), 1, 0, "CP size"),
-])
+@pytest.mark.parametrize(
+    "shape,seq_axis,n,match",
+    [
+        ((2, 12, 3), 1, 4, "must be a positive multiple of 8"),
+        ((2, 12, 3), 3, 2, "out of range"),
+        ((2, 12, 3), -4, 2, "out of range"),
+        ((2, 12, 3), 1.0, 2, "must be an int"),
+        ((2, 12, 3), 1, 0, "CP size"),
+    ],
+)
 def test_layout_rejects_bad_input(shape, seq_axis, n, match):
     with pytest.raises(ValueError, match=match):
         cpg.to_cp_layout(np.zeros(shape), n, seq_axis)

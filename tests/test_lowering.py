@@ -13,17 +13,22 @@ from jax_cpgrad.example.model import Config, init_params, synthetic_batch
 from spmd import cp_mesh, place, spmd_jit
 from workspace_stub import workspace_spec
 
-XLA_COLLECTIVES = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)")
+XLA_COLLECTIVES = re.compile(
+    r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"
+)
 
 
 def _cuda_text(jitted, *args):
     return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("protocol,target,side_effect", [
-    ("memop", "@jax_cpgrad_grad_return(", True),  # host-side epochs: no call may be dropped
-    ("device", "@jax_cpgrad_grad_return_device(", False),  # device epochs: XLA may record it in graphs
-])
+@pytest.mark.parametrize(
+    "protocol,target,side_effect",
+    [
+        ("memop", "@jax_cpgrad_grad_return(", True),  # host-side epochs: no call may be dropped
+        ("device", "@jax_cpgrad_grad_return_device(", False),  # device epochs: XLA may record it in graphs
+    ],
+)
 def test_grad_return_lowers_to_one_custom_call_with_its_attributes(protocol, target, side_effect):
     mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol=protocol)
     f = spmd_jit(mesh, lambda a, b: cpg.grad_return((a, b), axis_name="cp", seq_axis=1, workspace=ws))
@@ -45,10 +50,16 @@ def test_only_the_device_protocol_handlers_are_command_buffer_compatible():
         pytest.skip("the handlers are in the CUDA build only (no nvcc at build time)")
     from jax_cpgrad._native import ext
 
-    compatible = {name: bool(ext.handler_traits(name) & ext.COMMAND_BUFFER_COMPATIBLE)
-                  for name in ("grad_return", "all_gather", "grad_return_device", "all_gather_device")}
-    assert compatible == {"grad_return": False, "all_gather": False,
-                          "grad_return_device": True, "all_gather_device": True}
+    compatible = {
+        name: bool(ext.handler_traits(name) & ext.COMMAND_BUFFER_COMPATIBLE)
+        for name in ("grad_return", "all_gather", "grad_return_device", "all_gather_device")
+    }
+    assert compatible == {
+        "grad_return": False,
+        "all_gather": False,
+        "grad_return_device": True,
+        "all_gather_device": True,
+    }
 
 
 def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
@@ -56,7 +67,9 @@ def test_cp_training_step_with_a_workspace_uses_no_xla_collective():
     mesh = cp_mesh(4, "cpu")
     params = replicate(mesh, init_params(cfg))
     batch = shard_batch(mesh, *synthetic_batch(cfg, seed=0))
-    ws = workspace_spec(4, nbytes=workspace_nbytes(cfg, 4, init_params(cfg)))  # the capacity the demo asks for
+    ws = workspace_spec(
+        4, nbytes=workspace_nbytes(cfg, 4, init_params(cfg))
+    )  # the capacity the demo asks for
     for protocol, suffix in (("memop", ""), ("device", "_device")):
         ws = workspace_spec(4, nbytes=ws.nbytes, protocol=protocol)
         peer = _cuda_text(make_train_step(cfg, mesh, workspace=ws), params, *batch)

@@ -1,0 +1,18 @@
+"""Types of the optional benchmark module (ffi/bench/)."""
+
+from typing import Any
+
+def kernel_bench(
+    n: int, tensors: int, global_bytes: int, dtype: str, iters: int = 20, reps: int = 7
+) -> dict[str, Any]: ...
+def call_overhead_bench(
+    n: int, global_bytes: int = 4096, iters: int = 2000, block_budget: int = 64, push_blocks: int = 32
+) -> dict[str, Any]: ...
+def copy_bench(src: int, dst: int, bytes: int, iters: int = 20, reps: int = 7) -> dict[str, Any]: ...
+def push_bandwidth(
+    members: list[tuple[int, list[int]]],
+    bytes_per_peer: int,
+    iters: int = 10,
+    reps: int = 5,
+    engine: str = "sm",
+) -> dict[str, Any]: ...
