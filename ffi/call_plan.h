@@ -9,19 +9,23 @@
 namespace jax_cpgrad {
 
 enum class OpKind : uint8_t { kGradReturn = 0, kAllGather = 1 };
-inline const char* op_name(OpKind op) { return op == OpKind::kGradReturn ? "grad_return" : "all_gather"; }
+inline const char* op_name(OpKind op) {
+  return op == OpKind::kGradReturn ? "grad_return" : "all_gather";
+}
 
 enum class ElementType { kF32, kBF16, kF16 };
 
-CPG_HOST_DEVICE inline int64_t element_bytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
+CPG_HOST_DEVICE inline int64_t element_bytes(ElementType t) {
+  return t == ElementType::kF32 ? 4 : 2;
+}
 
 struct CallPlan {
-  int64_t n = 1;           // CP size
-  int64_t self = 0;        // this device's CP rank
-  int64_t tensors = 1;     // how many tensors move together
-  int64_t outer = 1;       // see Geometry
-  int64_t run = 0;         // elements of one run
-  int64_t set = 0;         // slot set of this call (epoch parity; the memop protocol's host sets it)
+  int64_t n = 1;        // CP size
+  int64_t self = 0;     // this device's CP rank
+  int64_t tensors = 1;  // how many tensors move together
+  int64_t outer = 1;    // see Geometry
+  int64_t run = 0;      // elements of one run
+  int64_t set = 0;      // slot set of this call (epoch parity; the memop protocol's host sets it)
   int64_t slot_bytes = 0;  // stride between slots
   ElementType dtype = ElementType::kF32;
   // Test builds only (the race test's negative control): the owner waits this long before it

@@ -21,7 +21,8 @@ class DeviceGuard {
   explicit DeviceGuard(int device) {
     cudaGetDevice(&previous_);
     cudaError_t err = cudaSetDevice(device);
-    if (err != cudaSuccess) throw std::runtime_error(cuda_error_text(err, "cudaSetDevice", __FILE__, __LINE__));
+    if (err != cudaSuccess)
+      throw std::runtime_error(cuda_error_text(err, "cudaSetDevice", __FILE__, __LINE__));
   }
   ~DeviceGuard() { cudaSetDevice(previous_); }
   DeviceGuard(const DeviceGuard&) = delete;
@@ -33,21 +34,22 @@ class DeviceGuard {
 
 }  // namespace jax_cpgrad
 
-#define CPG_CUDA_OR_THROW(expr)                                                                     \
-  do {                                                                                              \
-    cudaError_t cpg_err_ = (expr);                                                                  \
-    if (cpg_err_ != cudaSuccess) {                                                                  \
-      throw std::runtime_error(::jax_cpgrad::cuda_error_text(cpg_err_, #expr, __FILE__, __LINE__)); \
-    }                                                                                               \
+#define CPG_CUDA_OR_THROW(expr)                                                \
+  do {                                                                         \
+    cudaError_t cpg_err_ = (expr);                                             \
+    if (cpg_err_ != cudaSuccess) {                                             \
+      throw std::runtime_error(                                                \
+          ::jax_cpgrad::cuda_error_text(cpg_err_, #expr, __FILE__, __LINE__)); \
+    }                                                                          \
   } while (0)
 
 // Release paths never throw: a failing call is recorded in `problems` (reported by the caller)
 // and the release goes on.
-#define CPG_CUDA_OR_NOTE(expr, problems)                                                     \
-  do {                                                                                       \
-    cudaError_t cpg_err_ = (expr);                                                           \
-    if (cpg_err_ != cudaSuccess) {                                                           \
+#define CPG_CUDA_OR_NOTE(expr, problems)                                                        \
+  do {                                                                                          \
+    cudaError_t cpg_err_ = (expr);                                                              \
+    if (cpg_err_ != cudaSuccess) {                                                              \
       (problems).push_back(::jax_cpgrad::cuda_error_text(cpg_err_, #expr, __FILE__, __LINE__)); \
-      cudaGetLastError();                                                                    \
-    }                                                                                        \
+      cudaGetLastError();                                                                       \
+    }                                                                                           \
   } while (0)

@@ -12,13 +12,14 @@ template <typename Fn>
 Fn resolve(const char* symbol, unsigned int version) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-  cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &status);
+  cudaError_t err =
+      cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &status);
   if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr) {
-    throw std::runtime_error(std::string("jax_cpgrad: cannot load the CUDA driver entry point ") +
-                             symbol + " (CUDA " + std::to_string(version / 1000) + "." +
-                             std::to_string(version % 1000 / 10) + " API): " +
-                             (err != cudaSuccess ? cudaGetErrorString(err) : "symbol not found") +
-                             ". Is an NVIDIA driver installed?");
+    throw std::runtime_error(
+        std::string("jax_cpgrad: cannot load the CUDA driver entry point ") + symbol + " (CUDA " +
+        std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10) +
+        " API): " + (err != cudaSuccess ? cudaGetErrorString(err) : "symbol not found") +
+        ". Is an NVIDIA driver installed?");
   }
   return reinterpret_cast<Fn>(fn);
 }

@@ -1,12 +1,11 @@
 // The device protocol's kernels. The contract (launch shape, epoch, tiles, deadline, failure) is
 // written in fused_kernels.h.
-#include "fused_kernels.h"
-
 #include <algorithm>
 
 #include "device/ordered_sum.cuh"
 #include "device/row_copy.cuh"
 #include "device/signal.cuh"
+#include "fused_kernels.h"
 
 namespace jax_cpgrad {
 namespace {
@@ -36,7 +35,8 @@ __device__ void fail_call(const FusedCall& c, Control* ctrl, uint32_t e, const u
   const unsigned lane = threadIdx.x;
   for (int64_t w = lane; w < c.plan.n; w += 32) {
     const bool selected = only < 0 ? w != c.plan.self : w == only;
-    if (selected && !epoch_reached(acquire_load(&flags[w]), e)) atomicOr(&ctrl->missing[w / 32], 1u << (w % 32));
+    if (selected && !epoch_reached(acquire_load(&flags[w]), e))
+      atomicOr(&ctrl->missing[w / 32], 1u << (w % 32));
   }
   __syncwarp();
   if (lane == 0) {
@@ -54,7 +54,8 @@ __device__ void fail_call(const FusedCall& c, Control* ctrl, uint32_t e, const u
 // Waits until the flags of tile t hold epoch e for every writer but us (only < 0) or for writer
 // `only`. Warp 0 polls; the verdict is the block's: false when the call failed (our deadline
 // expired, or another block's did).
-__device__ bool wait_for_tile(const FusedCall& c, Control* ctrl, uint32_t e, int64_t t, int64_t only) {
+__device__ bool wait_for_tile(const FusedCall& c, Control* ctrl, uint32_t e, int64_t t,
+                              int64_t only) {
   __shared__ int ready;
   __syncthreads();  // every thread has read the previous verdict
   if (threadIdx.x < 32) {
@@ -70,13 +71,15 @@ __device__ bool wait_for_tile(const FusedCall& c, Control* ctrl, uint32_t e, int
       }
       if (__all_sync(kFullWarp, arrived)) break;
       // Decisions are warp-uniform: taken on lane 0's reads.
-      const uint32_t state = __shfl_sync(kFullWarp, lane == 0 ? volatile_load(&ctrl->state) : 0u, 0);
+      const uint32_t state =
+          __shfl_sync(kFullWarp, lane == 0 ? volatile_load(&ctrl->state) : 0u, 0);
       if (state != kStateOk) {
         verdict = 0;
         break;
       }
       if (c.timeout_ns == 0) continue;
-      const unsigned long long now = __shfl_sync(kFullWarp, lane == 0 ? global_timer_ns() : 0ull, 0);
+      const unsigned long long now =
+          __shfl_sync(kFullWarp, lane == 0 ? global_timer_ns() : 0ull, 0);
       if (deadline == 0) {
         deadline = now + c.timeout_ns;
       } else if (now > deadline) {
@@ -167,17 +170,20 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
   for (int64_t t = finisher_index(c); t < c.shape.tiles; t += c.shape.finish_blocks) {
     if (!wait_for_tile(c, ctrl, e, t, -1)) return;
     spin_for_ns(p.test_finish_delay_ns);
-    for_each_row_segment(rb, t * c.shape.tile_bytes, tile_end(c, t), [&](int64_t row, int64_t a, int64_t b) {
-      const int64_t h = row % 2, bo = (row / 2) % p.outer, k = row / (2 * p.outer);
-      const Contributions<Word> in{
-          reinterpret_cast<const Word*>(c.t.in[k] + (bo * 2 * p.n + chunk_of(p.self, h, p.n)) * rb + a),
-          slot0 + row * rb + a, p.slot_bytes, p.n, p.self};
-      Word* out = reinterpret_cast<Word*>(c.t.out[k] + (bo * 2 + h) * rb + a);
-      const int64_t words = (b - a) / static_cast<int64_t>(sizeof(Word));
-      for (int64_t base = threadIdx.x; base < words; base += int64_t(kFusedThreads) * kSumUnroll) {
-        sum_words<T, Word, kSumUnroll, kFusedThreads>(in, out, base, words);
-      }
-    });
+    for_each_row_segment(
+        rb, t * c.shape.tile_bytes, tile_end(c, t), [&](int64_t row, int64_t a, int64_t b) {
+          const int64_t h = row % 2, bo = (row / 2) % p.outer, k = row / (2 * p.outer);
+          const Contributions<Word> in{
+              reinterpret_cast<const Word*>(c.t.in[k] +
+                                            (bo * 2 * p.n + chunk_of(p.self, h, p.n)) * rb + a),
+              slot0 + row * rb + a, p.slot_bytes, p.n, p.self};
+          Word* out = reinterpret_cast<Word*>(c.t.out[k] + (bo * 2 + h) * rb + a);
+          const int64_t words = (b - a) / static_cast<int64_t>(sizeof(Word));
+          for (int64_t base = threadIdx.x; base < words;
+               base += int64_t(kFusedThreads) * kSumUnroll) {
+            sum_words<T, Word, kSumUnroll, kFusedThreads>(in, out, base, words);
+          }
+        });
   }
 }
 
@@ -252,7 +258,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_all_gather(FusedCall c) {
 bool all_aligned_16(const FusedCall& c) {
   bool ok = c.plan.run_bytes() % 16 == 0 && c.plan.slot_bytes % 16 == 0;
   for (int64_t k = 0; k < c.plan.tensors; ++k) {
-    ok = ok && reinterpret_cast<uintptr_t>(c.t.in[k]) % 16 == 0 && reinterpret_cast<uintptr_t>(c.t.out[k]) % 16 == 0;
+    ok = ok && reinterpret_cast<uintptr_t>(c.t.in[k]) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(c.t.out[k]) % 16 == 0;
   }
   return ok;
 }
@@ -265,7 +272,8 @@ cudaError_t launch(const FusedCall& c, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_grad_return(const FusedCall& c, bool wide, cudaStream_t stream) {
-  return wide ? launch<fused_grad_return<T, uint4>>(c, stream) : launch<fused_grad_return<T, T>>(c, stream);
+  return wide ? launch<fused_grad_return<T, uint4>>(c, stream)
+              : launch<fused_grad_return<T, T>>(c, stream);
 }
 
 }  // namespace
@@ -273,7 +281,8 @@ cudaError_t launch_grad_return(const FusedCall& c, bool wide, cudaStream_t strea
 FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, int32_t push_blocks) {
   FusedShape s;
   const int64_t payload = plan.payload_bytes();
-  s.tile_bytes = std::max(kMinTileBytes, ceil_div(ceil_div(payload, kMaxTiles), kTileAlign) * kTileAlign);
+  s.tile_bytes =
+      std::max(kMinTileBytes, ceil_div(ceil_div(payload, kMaxTiles), kTileAlign) * kTileAlign);
   s.tiles = std::max<int64_t>(1, ceil_div(payload, s.tile_bytes));
   const int64_t push_items = (plan.n - 1) * s.tiles;
   const int64_t finish_items = op == OpKind::kGradReturn ? s.tiles : s.tiles * plan.n;
@@ -281,34 +290,39 @@ FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
   s.push_blocks = static_cast<int32_t>(std::min<int64_t>(plan.n > 1 ? push_blocks : 0, push_items));
   const int64_t finishers = every_block_both ? block_budget : block_budget - s.push_blocks;
   s.finish_blocks = static_cast<int32_t>(std::clamp<int64_t>(finishers, 1, finish_items));
-  s.blocks = every_block_both ? std::max(s.push_blocks, s.finish_blocks) : s.push_blocks + s.finish_blocks;
+  s.blocks =
+      every_block_both ? std::max(s.push_blocks, s.finish_blocks) : s.push_blocks + s.finish_blocks;
   return s;
 }
 
 cudaError_t launch_fused(OpKind op, const FusedCall& c, cudaStream_t stream) {
   const bool wide = all_aligned_16(c);
   if (op == OpKind::kAllGather) {
-    return wide ? launch<fused_all_gather<uint4>>(c, stream) : launch<fused_all_gather<uint16_t>>(c, stream);
+    return wide ? launch<fused_all_gather<uint4>>(c, stream)
+                : launch<fused_all_gather<uint16_t>>(c, stream);
   }
   switch (c.plan.dtype) {
-    case ElementType::kF32: return launch_grad_return<float>(c, wide, stream);
-    case ElementType::kBF16: return launch_grad_return<__nv_bfloat16>(c, wide, stream);
-    case ElementType::kF16: return launch_grad_return<__half>(c, wide, stream);
+    case ElementType::kF32:
+      return launch_grad_return<float>(c, wide, stream);
+    case ElementType::kBF16:
+      return launch_grad_return<__nv_bfloat16>(c, wide, stream);
+    case ElementType::kF16:
+      return launch_grad_return<__half>(c, wide, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t warm_fused_kernels() {
   cudaFuncAttributes attr;
-  for (const void* kernel : {
-           reinterpret_cast<const void*>(fused_all_gather<uint4>),
-           reinterpret_cast<const void*>(fused_all_gather<uint16_t>),
-           reinterpret_cast<const void*>(fused_grad_return<float, uint4>),
-           reinterpret_cast<const void*>(fused_grad_return<float, float>),
-           reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, uint4>),
-           reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, __nv_bfloat16>),
-           reinterpret_cast<const void*>(fused_grad_return<__half, uint4>),
-           reinterpret_cast<const void*>(fused_grad_return<__half, __half>)}) {
+  for (const void* kernel :
+       {reinterpret_cast<const void*>(fused_all_gather<uint4>),
+        reinterpret_cast<const void*>(fused_all_gather<uint16_t>),
+        reinterpret_cast<const void*>(fused_grad_return<float, uint4>),
+        reinterpret_cast<const void*>(fused_grad_return<float, float>),
+        reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, uint4>),
+        reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, __nv_bfloat16>),
+        reinterpret_cast<const void*>(fused_grad_return<__half, uint4>),
+        reinterpret_cast<const void*>(fused_grad_return<__half, __half>)}) {
     if (cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess) return err;
   }
   return cudaSuccess;

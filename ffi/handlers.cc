@@ -28,8 +28,9 @@ struct CallState {
   std::shared_ptr<WorkspaceState> ws;
 };
 ffi::TypeId CallState::id = {};
-const XLA_FFI_TypeInfo kCallStateTypeInfo = {XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
-                                             [](void* state) { delete static_cast<CallState*>(state); }};
+const XLA_FFI_TypeInfo kCallStateTypeInfo = {
+    XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
+    [](void* state) { delete static_cast<CallState*>(state); }};
 
 ffi::ErrorOr<std::unique_ptr<CallState>> Instantiate(CallAttrs attrs) {
   std::shared_ptr<WorkspaceState> ws = Registry::get().find(attrs.workspace_id);
@@ -42,24 +43,26 @@ ffi::ErrorOr<std::unique_ptr<CallState>> Instantiate(CallAttrs attrs) {
 }
 
 ffi::Error launch_error(cudaError_t err, const char* what) {
-  return ffi::Error::Internal(std::string("jax_cpgrad: launching ") + what + " failed: " + cudaGetErrorName(err) +
-                              " (" + cudaGetErrorString(err) + ")");
+  return ffi::Error::Internal(std::string("jax_cpgrad: launching ") + what + " failed: " +
+                              cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
 // The stream-memop protocol: scatter, one batch of stream memory ops, accumulate or gather. The
 // epoch is the host's: the next one of this device.
 template <OpKind kOp>
-ffi::Error enqueue_stream_memops(const WorkspaceState& ws, Member& m, CallPlan plan, const TensorPtrs& t,
-                                 cudaStream_t stream) {
+ffi::Error enqueue_stream_memops(const WorkspaceState& ws, Member& m, CallPlan plan,
+                                 const TensorPtrs& t, cudaStream_t stream) {
   const uint32_t e = m.epoch.load(std::memory_order_relaxed) + 1;
   m.epoch.store(e, std::memory_order_relaxed);
-  m.op_of_epoch[e % m.op_of_epoch.size()].store(static_cast<uint8_t>(kOp), std::memory_order_relaxed);
+  m.op_of_epoch[e % m.op_of_epoch.size()].store(static_cast<uint8_t>(kOp),
+                                                std::memory_order_relaxed);
   plan.set = ws.single_buffer.load() ? 0 : e & 1;
   const PeerTable& peers = m.region.peers();
   const void* const* in = reinterpret_cast<const void* const*>(t.in);
   void* const* out = reinterpret_cast<void* const*>(t.out);
-  cudaError_t err = kOp == OpKind::kGradReturn ? launch_scatter_owner_chunks(plan, in, peers, stream)
-                                               : launch_scatter_local_copies(plan, in, peers, stream);
+  cudaError_t err = kOp == OpKind::kGradReturn
+                        ? launch_scatter_owner_chunks(plan, in, peers, stream)
+                        : launch_scatter_local_copies(plan, in, peers, stream);
   if (err != cudaSuccess) return launch_error(err, "the scatter");
   if (plan.n > 1) {
     HostReport* report = m.region.report_on_device();
@@ -71,15 +74,17 @@ ffi::Error enqueue_stream_memops(const WorkspaceState& ws, Member& m, CallPlan p
   }
   err = kOp == OpKind::kGradReturn ? launch_accumulate(plan, in, out, peers, stream)
                                    : launch_gather(plan, in, out, peers, stream);
-  return err == cudaSuccess ? ffi::Error::Success()
-                            : launch_error(err, kOp == OpKind::kGradReturn ? "the accumulation" : "the gather");
+  return err == cudaSuccess
+             ? ffi::Error::Success()
+             : launch_error(err, kOp == OpKind::kGradReturn ? "the accumulation" : "the gather");
 }
 
 // The device protocol: one kernel, the same arguments every call (see fused_kernels.h).
 template <OpKind kOp>
-ffi::Error enqueue_fused(const WorkspaceState& ws, const Member& m, const CallPlan& plan, const TensorPtrs& t,
-                         cudaStream_t stream) {
-  if (plan.payload_bytes() == 0) return ffi::Error::Success();  // the same on every rank: no epoch is used
+ffi::Error enqueue_fused(const WorkspaceState& ws, const Member& m, const CallPlan& plan,
+                         const TensorPtrs& t, cudaStream_t stream) {
+  if (plan.payload_bytes() == 0)
+    return ffi::Error::Success();  // the same on every rank: no epoch is used
   const WorkspaceConfig& cfg = ws.config;
   FusedCall call{};
   call.plan = plan;
@@ -106,18 +111,19 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::R
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, ws.failure_text());
   }
   if (ws.config.protocol != kProtocol) {
-    return ffi::Error::InvalidArgument(std::string("jax_cpgrad: workspace '") + ws.config.name + "' runs the " +
-                                       protocol_name(ws.config.protocol) + " protocol, not the " +
-                                       protocol_name(kProtocol) + " one");
+    return ffi::Error::InvalidArgument(std::string("jax_cpgrad: workspace '") + ws.config.name +
+                                       "' runs the " + protocol_name(ws.config.protocol) +
+                                       " protocol, not the " + protocol_name(kProtocol) + " one");
   }
   Member* m = ws.member_for_device(device);
   if (m == nullptr) {
-    return ffi::Error::InvalidArgument("jax_cpgrad: GPU " + std::to_string(device) + " is not part of workspace '" +
-                                       ws.config.name + "'");
+    return ffi::Error::InvalidArgument("jax_cpgrad: GPU " + std::to_string(device) +
+                                       " is not part of workspace '" + ws.config.name + "'");
   }
   CallPlan plan;
   TensorPtrs t{};
-  if (std::string invalid = check_call(kOp, ws, *m, args, rets, attrs, &plan, &t); !invalid.empty()) {
+  if (std::string invalid = check_call(kOp, ws, *m, args, rets, attrs, &plan, &t);
+      !invalid.empty()) {
     return ffi::Error::InvalidArgument(invalid);
   }
   // Valid: from here on every rank takes the same steps, so the epochs stay in agreement.
@@ -135,28 +141,32 @@ const void* call_state_type_info() { return &kCallStateTypeInfo; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradInstantiate, jax_cpgrad::Instantiate,
                               xla::ffi::Ffi::BindInstantiate().Attrs<jax_cpgrad::CallAttrs>());
 
-#define CPG_BIND_EXECUTE                                                                             \
-  xla::ffi::Ffi::Bind()                                                                              \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()          /* XLA's stream for this device */     \
-      .Ctx<xla::ffi::DeviceOrdinal>()                         /* which local GPU is calling */       \
-      .Ctx<xla::ffi::State<jax_cpgrad::CallState>>()          /* the workspace (instantiate) */      \
-      .RemainingArgs()                                        /* inputs: dK, dV, ... same shape */   \
-      .RemainingRets()                                        /* one output per input */             \
-      .Attrs<jax_cpgrad::CallAttrs>()                         /* workspace_id, axis_size, seq_axis */
+#define CPG_BIND_EXECUTE                                                                  \
+  xla::ffi::Ffi::Bind()                                                                   \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream for this device */   \
+      .Ctx<xla::ffi::DeviceOrdinal>()                /* which local GPU is calling */     \
+      .Ctx<xla::ffi::State<jax_cpgrad::CallState>>() /* the workspace (instantiate) */    \
+      .RemainingArgs()                               /* inputs: dK, dV, ... same shape */ \
+      .RemainingRets()                               /* one output per input */           \
+      .Attrs<jax_cpgrad::CallAttrs>()                /* workspace_id, axis_size, seq_axis */
 
 // (The macro also static_asserts that each symbol really is an XLA FFI handler.)
 // Stream-memop protocol: no command-buffer trait (its epochs are chosen on the host per call, and a
 // captured graph would replay stale epochs whose waits already pass).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturn,
-                              (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kStreamMemops>),
-                              CPG_BIND_EXECUTE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGather,
-                              (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kStreamMemops>),
-                              CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpgradGradReturn,
+    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kStreamMemops>),
+    CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpgradAllGather,
+    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kStreamMemops>),
+    CPG_BIND_EXECUTE);
 // Device protocol: the kernel reads and advances its epoch itself, so a replayed graph is right.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturnDevice,
-                              (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kDevice>),
-                              CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGatherDevice,
-                              (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kDevice>),
-                              CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpgradGradReturnDevice,
+    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kDevice>),
+    CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpgradAllGatherDevice,
+    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kDevice>),
+    CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,12 +1,11 @@
 // The stream-memop protocol's kernels: run copies (scatter, gather) and the ordered float32
 // accumulation, each its own launch; the host orders them around the publish and wait.
-#include "memop_kernels.h"
-
 #include <algorithm>
 #include <cstdint>
 
 #include "device/ordered_sum.cuh"
 #include "device/signal.cuh"
+#include "memop_kernels.h"
 
 namespace jax_cpgrad {
 namespace {
@@ -97,7 +96,8 @@ Tiling tiling(int64_t rows, int64_t units_per_row, int64_t tile_units) {
 }
 
 unsigned blocks_for(const Tiling& g) {
-  return static_cast<unsigned>(std::min<int64_t>(g.rows * g.tiles_per_row, INT32_MAX));  // callers skip empty copies
+  return static_cast<unsigned>(
+      std::min<int64_t>(g.rows * g.tiles_per_row, INT32_MAX));  // callers skip empty copies
 }
 
 // Calls tile_fn(row, first unit of this thread) for every tile this block owns.
@@ -168,7 +168,8 @@ TensorPtrs tensor_ptrs(const CallPlan& plan, const void* const* in, void* const*
 
 template <typename T, typename Word>
 __global__ void __launch_bounds__(kThreads)
-accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char* own_slots, int64_t words_per_row) {
+    accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char* own_slots,
+                    int64_t words_per_row) {
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
   const bool failed = call_failed(own_header);
@@ -178,13 +179,14 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char*
     const int64_t b = (row / 2) % plan.outer;
     const int64_t k = row / (2 * plan.outer);
     const Contributions<Word> in{
-        reinterpret_cast<const Word*>(t.in[k] + (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb),
-        own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb, plan.slot_bytes, plan.n,
-        plan.self};
+        reinterpret_cast<const Word*>(t.in[k] +
+                                      (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb),
+        own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb, plan.slot_bytes,
+        plan.n, plan.self};
     Word* out = reinterpret_cast<Word*>(t.out[k] + (b * 2 + h) * rb);
     const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;
-    for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x; base < words_per_row;
-         base += stride) {
+    for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
+         base < words_per_row; base += stride) {
       if (failed) {
         for (int u = 0; u < kSumUnroll; ++u) {
           if (base + u * kThreads < words_per_row) out[base + u * kThreads] = poison_word<Word>();
@@ -200,7 +202,8 @@ accumulate_rows(CallPlan plan, TensorPtrs t, const char* own_header, const char*
 int64_t device_sm_count() {
   static const int64_t sms = [] {
     int device = 0, count = 132;
-    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    if (cudaGetDevice(&device) == cudaSuccess)
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
     return static_cast<int64_t>(count);
   }();
   return sms;
@@ -211,7 +214,9 @@ template <auto Kernel>
 int64_t resident_blocks_per_sm() {
   static const int64_t blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0) != cudaSuccess ||
+        b < 1)
+      b = 1;
     return static_cast<int64_t>(b);
   }();
   return blocks;
@@ -222,14 +227,16 @@ int64_t resident_blocks_per_sm() {
 template <auto Kernel>
 dim3 one_wave_grid(int64_t rows, int64_t work_per_row, int64_t per_block) {
   const int64_t target = device_sm_count() * resident_blocks_per_sm<Kernel>();
-  const int64_t gx = std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
-  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
+  const int64_t gx =
+      std::max<int64_t>(1, std::min((work_per_row + per_block - 1) / per_block, target));
+  const int64_t gy =
+      std::max<int64_t>(1, std::min<int64_t>({rows, std::max<int64_t>(1, target / gx), 65535}));
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
 
 template <typename T>
-cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, bool ok16, const PeerTable& peers,
-                                    cudaStream_t stream) {
+cudaError_t launch_accumulate_typed(const CallPlan& plan, const TensorPtrs& t, bool ok16,
+                                    const PeerTable& peers, cudaStream_t stream) {
   const int64_t rows = plan.tensors * plan.outer * 2;
   const int64_t rb = plan.run_bytes();
   const char* header = peers.header[plan.self];
@@ -273,34 +280,40 @@ cudaError_t launch_scatter_local_copies(const CallPlan& plan, const void* const*
 }
 
 cudaError_t launch_accumulate(const CallPlan& plan, const void* const* global_inputs,
-                              void* const* local_outputs, const PeerTable& peers, cudaStream_t stream) {
+                              void* const* local_outputs, const PeerTable& peers,
+                              cudaStream_t stream) {
   bool ok16 = true;
   const TensorPtrs t = tensor_ptrs(plan, global_inputs, local_outputs, &ok16);
   switch (plan.dtype) {
-    case ElementType::kF32: return launch_accumulate_typed<float>(plan, t, ok16, peers, stream);
-    case ElementType::kBF16: return launch_accumulate_typed<__nv_bfloat16>(plan, t, ok16, peers, stream);
-    case ElementType::kF16: return launch_accumulate_typed<__half>(plan, t, ok16, peers, stream);
+    case ElementType::kF32:
+      return launch_accumulate_typed<float>(plan, t, ok16, peers, stream);
+    case ElementType::kBF16:
+      return launch_accumulate_typed<__nv_bfloat16>(plan, t, ok16, peers, stream);
+    case ElementType::kF16:
+      return launch_accumulate_typed<__half>(plan, t, ok16, peers, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_gather(const CallPlan& plan, const void* const* local_inputs,
-                          void* const* global_outputs, const PeerTable& peers, cudaStream_t stream) {
+                          void* const* global_outputs, const PeerTable& peers,
+                          cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
-  GatherMap map{plan, tensor_ptrs(plan, local_inputs, global_outputs, &ok16), peers.header[plan.self],
-                peers.slots[plan.self]};
+  GatherMap map{plan, tensor_ptrs(plan, local_inputs, global_outputs, &ok16),
+                peers.header[plan.self], peers.slots[plan.self]};
   return launch_copy(map, plan.tensors * plan.outer * 2 * plan.n, plan.run_bytes(), ok16, stream);
 }
 
 cudaError_t warm_memop_kernels() {
   device_sm_count();
-  for (cudaError_t err : {
-           warm<copy_rows<uint4, OwnerChunksMap>>(), warm<copy_rows<uint16_t, OwnerChunksMap>>(),
-           warm<copy_rows<uint4, LocalCopiesMap>>(), warm<copy_rows<uint16_t, LocalCopiesMap>>(),
-           warm<copy_rows<uint4, GatherMap>>(), warm<copy_rows<uint16_t, GatherMap>>(),
-           warm<accumulate_rows<float, uint4>>(), warm<accumulate_rows<float, float>>(),
-           warm<accumulate_rows<__nv_bfloat16, uint4>>(), warm<accumulate_rows<__nv_bfloat16, __nv_bfloat16>>(),
-           warm<accumulate_rows<__half, uint4>>(), warm<accumulate_rows<__half, __half>>()}) {
+  for (cudaError_t err :
+       {warm<copy_rows<uint4, OwnerChunksMap>>(), warm<copy_rows<uint16_t, OwnerChunksMap>>(),
+        warm<copy_rows<uint4, LocalCopiesMap>>(), warm<copy_rows<uint16_t, LocalCopiesMap>>(),
+        warm<copy_rows<uint4, GatherMap>>(), warm<copy_rows<uint16_t, GatherMap>>(),
+        warm<accumulate_rows<float, uint4>>(), warm<accumulate_rows<float, float>>(),
+        warm<accumulate_rows<__nv_bfloat16, uint4>>(),
+        warm<accumulate_rows<__nv_bfloat16, __nv_bfloat16>>(),
+        warm<accumulate_rows<__half, uint4>>(), warm<accumulate_rows<__half, __half>>()}) {
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -18,7 +18,8 @@ cudaError_t launch_scatter_local_copies(const CallPlan& plan, const void* const*
 // grad_return, step 3: sum the N contributions (own from the input, others from our slots) in
 // writer order 0..N-1 in float32, rounding once; NaN if our Control::state is not kStateOk.
 cudaError_t launch_accumulate(const CallPlan& plan, const void* const* global_inputs,
-                              void* const* local_outputs, const PeerTable& peers, cudaStream_t stream);
+                              void* const* local_outputs, const PeerTable& peers,
+                              cudaStream_t stream);
 // all_gather, step 3: lay the N local pieces out in natural order (own piece from the input).
 cudaError_t launch_gather(const CallPlan& plan, const void* const* local_inputs,
                           void* const* global_outputs, const PeerTable& peers, cudaStream_t stream);

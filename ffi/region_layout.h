@@ -31,11 +31,11 @@ inline constexpr uint32_t kStateClosed = 2;  // Workspace.close() ran: outputs N
 inline constexpr int64_t kMaxTiles = 2048;
 
 struct Control {
-  uint32_t epoch;        // device protocol: the last epoch this device finished (kernels advance it)
-  uint32_t state;        // kStateOk / kStateFailed / kStateClosed
-  uint32_t blocks_done;  // device protocol: blocks of the running call that have finished
-  uint32_t failed_epoch;                // the epoch of the call that timed out
-  uint32_t missing[kMaxRanks / 32];     // writers a timed-out call never heard from (bit per rank)
+  uint32_t epoch;  // device protocol: the last epoch this device finished (kernels advance it)
+  uint32_t state;  // kStateOk / kStateFailed / kStateClosed
+  uint32_t blocks_done;   // device protocol: blocks of the running call that have finished
+  uint32_t failed_epoch;  // the epoch of the call that timed out
+  uint32_t missing[kMaxRanks / 32];  // writers a timed-out call never heard from (bit per rank)
 };
 
 inline constexpr int64_t kControlBytes = 256;
@@ -48,7 +48,8 @@ CPG_HOST_DEVICE inline uint32_t* flags_of(char* header) {
   return reinterpret_cast<uint32_t*>(header + kControlBytes);
 }
 
-CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set, int64_t writer) {
+CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set,
+                                           int64_t writer) {
   return (set * n + writer) * slot_bytes;
 }
 

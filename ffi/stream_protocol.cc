@@ -25,7 +25,8 @@ CUresult enqueue_publish_and_wait(const ProtocolSite& site, uint32_t epoch, cuda
     if (w == site.self) continue;
     CUstreamBatchMemOpParams& op = ops[count++];
     op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-    op.waitValue.address = reinterpret_cast<CUdeviceptr>(flags_of(site.peers->header[site.self]) + w);
+    op.waitValue.address =
+        reinterpret_cast<CUdeviceptr>(flags_of(site.peers->header[site.self]) + w);
     op.waitValue.value = epoch;
     op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;  // (int32)(flag - e) >= 0: wraps correctly
   }
@@ -33,7 +34,8 @@ CUresult enqueue_publish_and_wait(const ProtocolSite& site, uint32_t epoch, cuda
   const DriverApi& api = driver_api();
   for (unsigned begin = 0; begin < count; begin += kMaxOpsPerBatch) {
     const unsigned batch = std::min(kMaxOpsPerBatch, count - begin);
-    CUresult res = api.stream_batch_mem_op(reinterpret_cast<CUstream>(stream), batch, ops + begin, 0);
+    CUresult res =
+        api.stream_batch_mem_op(reinterpret_cast<CUstream>(stream), batch, ops + begin, 0);
     if (res != CUDA_SUCCESS) return res;
   }
   return CUDA_SUCCESS;

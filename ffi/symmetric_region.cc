@@ -49,10 +49,12 @@ SymmetricRegion::SymmetricRegion(int device, int64_t rank, int64_t n, int64_t sl
     Control control{};
     control.epoch = initial_epoch;
     std::memcpy(header.data(), &control, sizeof(control));
-    std::memset(reinterpret_cast<char*>(header.data()) + sizeof(control), 0, kControlBytes - sizeof(control));
+    std::memset(reinterpret_cast<char*>(header.data()) + sizeof(control), 0,
+                kControlBytes - sizeof(control));
     write_header(0, header.data(), header_bytes(n));
     void* report = nullptr;
-    CPG_CUDA_OR_THROW(cudaHostAlloc(&report, sizeof(HostReport), cudaHostAllocMapped | cudaHostAllocPortable));
+    CPG_CUDA_OR_THROW(
+        cudaHostAlloc(&report, sizeof(HostReport), cudaHostAllocMapped | cudaHostAllocPortable));
     report_ = static_cast<HostReport*>(report);
     *report_ = HostReport{initial_epoch, initial_epoch, 0, 0};
     void* report_dev = nullptr;
@@ -84,7 +86,8 @@ SymmetricRegion::~SymmetricRegion() {
   }
   // A destructor may run at interpreter exit, after the CUDA driver shut down: say what failed,
   // never throw.
-  for (const auto& p : problems) std::fprintf(stderr, "jax_cpgrad: releasing a workspace: %s\n", p.c_str());
+  for (const auto& p : problems)
+    std::fprintf(stderr, "jax_cpgrad: releasing a workspace: %s\n", p.c_str());
 }
 
 RegionHandles SymmetricRegion::export_handles() const {
@@ -100,7 +103,9 @@ std::string SymmetricRegion::map_same_process(int64_t peer_rank, const Symmetric
     DeviceGuard guard(device_);
     int can = 0;
     cudaDeviceCanAccessPeer(&can, device_, peer.device_);
-    if (!can) return "GPU " + std::to_string(device_) + " cannot access GPU " + std::to_string(peer.device_) + " (no peer-to-peer path)";
+    if (!can)
+      return "GPU " + std::to_string(device_) + " cannot access GPU " +
+             std::to_string(peer.device_) + " (no peer-to-peer path)";
     cudaError_t err = cudaDeviceEnablePeerAccess(peer.device_, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
       cudaGetLastError();  // XLA or an earlier workspace enabled it: fine
@@ -145,13 +150,15 @@ bool SymmetricRegion::connected() const {
 
 void SymmetricRegion::write_header(int64_t offset, const void* values, int64_t bytes) const {
   DeviceGuard guard(device_);
-  CPG_CUDA_OR_THROW(cudaMemcpyAsync(header_ + offset, values, bytes, cudaMemcpyHostToDevice, side_stream_));
+  CPG_CUDA_OR_THROW(
+      cudaMemcpyAsync(header_ + offset, values, bytes, cudaMemcpyHostToDevice, side_stream_));
   CPG_CUDA_OR_THROW(cudaStreamSynchronize(side_stream_));
 }
 
 void SymmetricRegion::read_header(int64_t offset, void* values, int64_t bytes) const {
   DeviceGuard guard(device_);
-  CPG_CUDA_OR_THROW(cudaMemcpyAsync(values, header_ + offset, bytes, cudaMemcpyDeviceToHost, side_stream_));
+  CPG_CUDA_OR_THROW(
+      cudaMemcpyAsync(values, header_ + offset, bytes, cudaMemcpyDeviceToHost, side_stream_));
   CPG_CUDA_OR_THROW(cudaStreamSynchronize(side_stream_));
 }
 
@@ -176,7 +183,8 @@ std::vector<std::string> SymmetricRegion::close() {
   if (header_ != nullptr && side_stream_ != nullptr) {
     const uint32_t closed = kStateClosed;
     CPG_CUDA_OR_NOTE(cudaMemcpyAsync(header_ + offsetof(Control, state), &closed, sizeof(closed),
-                                     cudaMemcpyHostToDevice, side_stream_), problems);
+                                     cudaMemcpyHostToDevice, side_stream_),
+                     problems);
     CPG_CUDA_OR_NOTE(cudaStreamSynchronize(side_stream_), problems);
   }
   release_all_but_header(problems);

@@ -29,7 +29,9 @@ std::condition_variable g_cv;
 bool g_stop = false;
 std::thread* g_thread = nullptr;
 
-uint32_t read_host_word(const uint32_t& word) { return *static_cast<volatile const uint32_t*>(&word); }
+uint32_t read_host_word(const uint32_t& word) {
+  return *static_cast<volatile const uint32_t*>(&word);
+}
 
 // Stream-memop protocol: makes every wait issued so far on `m` pass and marks their outputs failed
 // (NaN). The copies run on the region's side stream: this never blocks a handler.
@@ -40,21 +42,24 @@ void release(const WorkspaceState& ws, const Member& m) {
     std::vector<uint32_t> flags(ws.config.n, m.epoch.load());
     m.region.write_header(kControlBytes, flags.data(), 4 * flags.size());
   } catch (const std::exception& err) {
-    std::fprintf(stderr, "jax_cpgrad: the watchdog could not release a stuck wait: %s\n", err.what());
+    std::fprintf(stderr, "jax_cpgrad: the watchdog could not release a stuck wait: %s\n",
+                 err.what());
   }
 }
 
 // `what`: the op's name where the host knows it (stream-memop protocol), "collective" otherwise.
-std::string timeout_message(const WorkspaceState& ws, const Member& m, const char* what, uint32_t epoch,
-                            const std::string& missing, const std::string& detail) {
+std::string timeout_message(const WorkspaceState& ws, const Member& m, const char* what,
+                            uint32_t epoch, const std::string& missing, const std::string& detail) {
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", ws.config.timeout_s);
-  return std::string("jax_cpgrad: ") + what + " call with epoch " + std::to_string(epoch) + " on workspace '" +
-         ws.config.name + "' timed out after " + timeout + " s on CP rank " + std::to_string(m.region.rank()) +
-         " of " + std::to_string(ws.config.n) + " (GPU " + std::to_string(m.region.device()) + "): CP ranks [" +
-         missing + "] never arrived (" + detail +
+  return std::string("jax_cpgrad: ") + what + " call with epoch " + std::to_string(epoch) +
+         " on workspace '" + ws.config.name + "' timed out after " + timeout + " s on CP rank " +
+         std::to_string(m.region.rank()) + " of " + std::to_string(ws.config.n) + " (GPU " +
+         std::to_string(m.region.device()) + "): CP ranks [" + missing + "] never arrived (" +
+         detail +
          "). A peer process probably died, hung, or skipped a call. The outputs of that call are "
-         "NaN and this workspace is now unusable. Set the timeout with Workspace(..., timeout_s=...) or "
+         "NaN and this workspace is now unusable. Set the timeout with Workspace(..., "
+         "timeout_s=...) or "
          "JAX_CPGRAD_TIMEOUT_S.";
 }
 
@@ -78,7 +83,8 @@ std::string describe_device_timeout(const WorkspaceState& ws, const Member& m) {
   m.region.read_header(0, &control, sizeof(control));
   std::string missing;
   for (int64_t w = 0; w < ws.config.n; ++w) {
-    if (control.missing[w / 32] & (1u << (w % 32))) missing += (missing.empty() ? "" : ", ") + std::to_string(w);
+    if (control.missing[w / 32] & (1u << (w % 32)))
+      missing += (missing.empty() ? "" : ", ") + std::to_string(w);
   }
   // The host does not see the device protocol's calls, so it cannot name the op.
   return timeout_message(ws, m, "collective", control.failed_epoch, missing,
@@ -94,12 +100,12 @@ void report_timeout(WorkspaceState& ws, const std::string& why) {
 
 std::mutex g_report_mu;  // one thread turns a device report into the failure
 
-void poll_member(WorkspaceState& ws, const Member& m, const Clock::time_point now, std::vector<Watch>& watches,
-                 std::vector<Watch>& next) {
+void poll_member(WorkspaceState& ws, const Member& m, const Clock::time_point now,
+                 std::vector<Watch>& watches, std::vector<Watch>& next) {
   const HostReport& report = *m.region.report();
   const uint32_t reached = read_host_word(report.reached);
   if (reached == read_host_word(report.passed)) return;  // not inside a wait
-  if (ws.failed.load()) {                                 // a wait issued around or after the failure
+  if (ws.failed.load()) {  // a wait issued around or after the failure
     release(ws, m);
     return;
   }
@@ -107,7 +113,8 @@ void poll_member(WorkspaceState& ws, const Member& m, const Clock::time_point no
   for (const Watch& old : watches) {
     if (old.member == &m && old.epoch == reached) w.since = old.since;
   }
-  if (ws.config.timeout_s > 0 && now - w.since > std::chrono::duration<double>(ws.config.timeout_s)) {
+  if (ws.config.timeout_s > 0 &&
+      now - w.since > std::chrono::duration<double>(ws.config.timeout_s)) {
     report_timeout(ws, describe_stream_timeout(ws, m, reached));
     release(ws, m);
     return;
@@ -147,7 +154,8 @@ void run() {
 bool sync_device_failure(WorkspaceState& ws) {
   if (ws.failed.load()) return true;
   for (const auto& m : ws.members) {
-    if (m->region.report() == nullptr || read_host_word(m->region.report()->timed_out) == 0) continue;
+    if (m->region.report() == nullptr || read_host_word(m->region.report()->timed_out) == 0)
+      continue;
     std::lock_guard lock(g_report_mu);
     if (!ws.failed.load()) report_timeout(ws, describe_device_timeout(ws, *m));
     return true;

@@ -25,7 +25,7 @@ struct WorkspaceConfig {
   std::string name;
   int64_t n = 1;
   int64_t slot_bytes = 0;
-  double timeout_s = 600;    // 0: wait forever
+  double timeout_s = 600;  // 0: wait forever
   Protocol protocol = Protocol::kStreamMemops;
   int32_t block_budget = 0;  // device protocol: the most blocks (SMs) one call occupies
   int32_t push_blocks = 0;   // device protocol: how many of them push
@@ -38,7 +38,7 @@ struct Member {
       : region(device, rank, config.n, config.slot_bytes, initial_epoch), epoch(initial_epoch) {}
   SymmetricRegion region;
   std::atomic<uint32_t> epoch;  // stream-memop protocol: the last epoch issued (host-side)
-  std::atomic<uint32_t> test_finish_delay_ns{0};  // test builds only: see CallPlan
+  std::atomic<uint32_t> test_finish_delay_ns{0};        // test builds only: see CallPlan
   std::array<std::atomic<uint8_t>, 256> op_of_epoch{};  // for messages: op kind by epoch % 256
 };
 

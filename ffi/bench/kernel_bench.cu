@@ -22,7 +22,9 @@ namespace jax_cpgrad {
 namespace {
 
 struct DeviceBuffer {
-  explicit DeviceBuffer(int64_t bytes) { CPG_CUDA_OR_THROW(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256))); }
+  explicit DeviceBuffer(int64_t bytes) {
+    CPG_CUDA_OR_THROW(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256)));
+  }
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -37,7 +39,8 @@ struct EmulatedPeers {
     for (int64_t r = 0; r < n; ++r) {
       headers.push_back(std::make_unique<DeviceBuffer>(header_bytes(n)));
       slots.push_back(std::make_unique<DeviceBuffer>(slots_bytes(n, slot_bytes)));
-      CPG_CUDA_OR_THROW(cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n), cudaMemcpyHostToDevice));
+      CPG_CUDA_OR_THROW(
+          cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n), cudaMemcpyHostToDevice));
       CPG_CUDA_OR_THROW(cudaMemset(slots.back()->ptr, 0, slots_bytes(n, slot_bytes)));
       table.header[r] = headers.back()->ptr;
       table.slots[r] = slots.back()->ptr;
@@ -48,7 +51,8 @@ struct EmulatedPeers {
 };
 
 // Median, min and max milliseconds per launch of `fn` over `reps` timed groups of `iters`.
-nb::dict time_ms(const std::function<cudaError_t(cudaStream_t)>& fn, cudaStream_t stream, int iters, int reps) {
+nb::dict time_ms(const std::function<cudaError_t(cudaStream_t)>& fn, cudaStream_t stream, int iters,
+                 int reps) {
   for (int i = 0; i < 3; ++i) CPG_CUDA_OR_THROW(fn(stream));
   cudaEvent_t start, stop;
   CPG_CUDA_OR_THROW(cudaEventCreate(&start));
@@ -131,14 +135,35 @@ nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const st
   result["scatter_traffic"] = 2 * moved;
   result["accumulate_traffic"] = (n + 1) * tensors * local_bytes;
   result["gather_traffic"] = 2 * n * tensors * local_bytes;
-  result["scatter"] = time_ms([&](cudaStream_t s) { return launch_scatter_owner_chunks(plan, in.data(), table, s); }, stream, iters, reps);
-  result["accumulate"] = time_ms([&](cudaStream_t s) { return launch_accumulate(plan, in.data(), out.data(), table, s); }, stream, iters, reps);
-  result["gather"] = time_ms([&](cudaStream_t s) { return launch_gather(plan, local_in.data(), gather_out.data(), table, s); }, stream, iters, reps);
+  result["scatter"] = time_ms(
+      [&](cudaStream_t s) { return launch_scatter_owner_chunks(plan, in.data(), table, s); },
+      stream, iters, reps);
+  result["accumulate"] = time_ms(
+      [&](cudaStream_t s) { return launch_accumulate(plan, in.data(), out.data(), table, s); },
+      stream, iters, reps);
+  result["gather"] = time_ms(
+      [&](cudaStream_t s) {
+        return launch_gather(plan, local_in.data(), gather_out.data(), table, s);
+      },
+      stream, iters, reps);
   const int64_t acc_copy = (n + 1) * tensors * local_bytes / 2;
   const int64_t gather_copy = n * tensors * local_bytes;
-  result["copy_scatter_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, moved, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
-  result["copy_accumulate_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, acc_copy, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
-  result["copy_gather_size"] = time_ms([&](cudaStream_t s) { return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, gather_copy, cudaMemcpyDeviceToDevice, s); }, stream, iters, reps);
+  result["copy_scatter_size"] = time_ms(
+      [&](cudaStream_t s) {
+        return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, moved, cudaMemcpyDeviceToDevice, s);
+      },
+      stream, iters, reps);
+  result["copy_accumulate_size"] = time_ms(
+      [&](cudaStream_t s) {
+        return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, acc_copy, cudaMemcpyDeviceToDevice, s);
+      },
+      stream, iters, reps);
+  result["copy_gather_size"] = time_ms(
+      [&](cudaStream_t s) {
+        return cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, gather_copy, cudaMemcpyDeviceToDevice,
+                               s);
+      },
+      stream, iters, reps);
   cudaStreamDestroy(stream);
   return result;
 }
@@ -154,13 +179,16 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
   DeviceBuffer from(bytes);
   if (src != dst) {
     cudaError_t err = cudaDeviceEnablePeerAccess(dst, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError(); else CPG_CUDA_OR_THROW(err);
+    if (err == cudaErrorPeerAccessAlreadyEnabled)
+      cudaGetLastError();
+    else
+      CPG_CUDA_OR_THROW(err);
   }
   cudaStream_t stream;
   CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  nb::dict d = time_ms([&](cudaStream_t s) {
-    return cudaMemcpyPeerAsync(to.ptr, dst, from.ptr, src, bytes, s);
-  }, stream, iters, reps);
+  nb::dict d = time_ms(
+      [&](cudaStream_t s) { return cudaMemcpyPeerAsync(to.ptr, dst, from.ptr, src, bytes, s); },
+      stream, iters, reps);
   cudaStreamDestroy(stream);
   cudaSetDevice(previous);
   return d;
@@ -168,7 +196,8 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
 
 // Fixed cost of one call for one rank, N writers emulated on this GPU with every wait already
 // satisfied: host time to enqueue, and GPU time per call, for the whole call and its parts.
-nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t block_budget, int32_t push_blocks) {
+nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t block_budget,
+                             int32_t push_blocks) {
   CallPlan plan;
   plan.n = n;
   plan.tensors = 2;
@@ -188,7 +217,8 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t
     out[k] = bufs.back()->ptr;
   }
   HostReport* report = nullptr;
-  CPG_CUDA_OR_THROW(cudaHostAlloc(reinterpret_cast<void**>(&report), sizeof(HostReport), cudaHostAllocMapped));
+  CPG_CUDA_OR_THROW(
+      cudaHostAlloc(reinterpret_cast<void**>(&report), sizeof(HostReport), cudaHostAllocMapped));
   void* report_dev = nullptr;
   CPG_CUDA_OR_THROW(cudaHostGetDevicePointer(&report_dev, report, 0));
   HostReport* report_on_device = static_cast<HostReport*>(report_dev);
@@ -207,7 +237,8 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t
   uint32_t epoch = 0;
   auto scatter = [&] { return launch_scatter_owner_chunks(plan, in, table, stream); };
   auto memops = [&] {
-    return enqueue_publish_and_wait(site, ++epoch, stream) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+    return enqueue_publish_and_wait(site, ++epoch, stream) == CUDA_SUCCESS ? cudaSuccess
+                                                                           : cudaErrorUnknown;
   };
   auto accumulate = [&] { return launch_accumulate(plan, in, out, table, stream); };
   auto fused_call = [&] { return launch_fused(OpKind::kGradReturn, fused, stream); };
@@ -236,7 +267,8 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t
   result["n"] = n;
   result["global_bytes_per_tensor"] = plan.tensor_bytes() * n;
   result["stream_mem_ops_per_call"] = n > 1 ? 2 * (n - 1) + 2 : 0;
-  result["api_calls_per_call"] = n > 1 ? 3 : 2;  // scatter launch, one batch of memory ops, accumulate launch
+  result["api_calls_per_call"] =
+      n > 1 ? 3 : 2;  // scatter launch, one batch of memory ops, accumulate launch
   result["call"] = measure([&] {
     cudaError_t err = scatter();
     if (err == cudaSuccess && n > 1) err = memops();
@@ -261,8 +293,9 @@ void bind_kernel_bench(nb::module_& m) {
   m.def("call_overhead_bench", &call_overhead_bench, nb::arg("n"), nb::arg("global_bytes") = 4096,
         nb::arg("iters") = 2000, nb::arg("block_budget") = 64, nb::arg("push_blocks") = 32,
         "Fixed per-call cost for one rank (host enqueue and GPU time), both protocols.");
-  m.def("copy_bench", &copy_bench, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters") = 20,
-        nb::arg("reps") = 7, "Time a plain copy of `bytes` from GPU src to GPU dst.");
+  m.def("copy_bench", &copy_bench, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
+        nb::arg("iters") = 20, nb::arg("reps") = 7,
+        "Time a plain copy of `bytes` from GPU src to GPU dst.");
 }
 
 }  // namespace jax_cpgrad

@@ -29,12 +29,14 @@ struct Targets {
 
 // Blocks go target-major: with the targets already in rotated order, every writer starts on a
 // different owner. Source p of a writer is its own bytes [p * units, (p + 1) * units).
-__global__ void __launch_bounds__(kThreads) push_tiles(const uint4* src, Targets t, int64_t peers, int64_t units) {
+__global__ void __launch_bounds__(kThreads)
+    push_tiles(const uint4* src, Targets t, int64_t peers, int64_t units) {
   const int64_t tiles = (units + kTileUnits - 1) / kTileUnits;
   for (int64_t block = blockIdx.x; block < peers * tiles; block += gridDim.x) {
     const int64_t p = block / tiles;
     const int64_t end = std::min(units, (block % tiles + 1) * kTileUnits);
-    for (int64_t i = block % tiles * kTileUnits + threadIdx.x; i < end; i += kThreads) t.dst[p][i] = src[p * units + i];
+    for (int64_t i = block % tiles * kTileUnits + threadIdx.x; i < end; i += kThreads)
+      t.dst[p][i] = src[p * units + i];
   }
 }
 
@@ -55,18 +57,19 @@ void enqueue_pushes(Member& m, int64_t bytes, int iters, bool copy_engines) {
     Targets t{};
     for (int64_t p = 0; p < peers; ++p) t.dst[p] = reinterpret_cast<uint4*>(m.targets[p]);
     const int64_t units = bytes / 16;
-    const int64_t blocks = std::min<int64_t>(peers * ((units + kTileUnits - 1) / kTileUnits), 1 << 20);
+    const int64_t blocks =
+        std::min<int64_t>(peers * ((units + kTileUnits - 1) / kTileUnits), 1 << 20);
     for (int i = 0; i < iters; ++i) {
-      push_tiles<<<static_cast<unsigned>(blocks), kThreads, 0, m.stream>>>(reinterpret_cast<const uint4*>(m.src), t,
-                                                                            peers, units);
+      push_tiles<<<static_cast<unsigned>(blocks), kThreads, 0, m.stream>>>(
+          reinterpret_cast<const uint4*>(m.src), t, peers, units);
     }
     CPG_CUDA_OR_THROW(cudaGetLastError());
   } else {
     for (int64_t p = 0; p < peers; ++p) {
       CPG_CUDA_OR_THROW(cudaStreamWaitEvent(m.peer_streams[p], m.start, 0));
       for (int i = 0; i < iters; ++i) {
-        CPG_CUDA_OR_THROW(cudaMemcpyAsync(reinterpret_cast<void*>(m.targets[p]), m.src + p * bytes, bytes,
-                                          cudaMemcpyDefault, m.peer_streams[p]));
+        CPG_CUDA_OR_THROW(cudaMemcpyAsync(reinterpret_cast<void*>(m.targets[p]), m.src + p * bytes,
+                                          bytes, cudaMemcpyDefault, m.peer_streams[p]));
       }
       CPG_CUDA_OR_THROW(cudaEventRecord(m.peer_done[p], m.peer_streams[p]));
       CPG_CUDA_OR_THROW(cudaStreamWaitEvent(m.stream, m.peer_done[p], 0));
@@ -78,10 +81,11 @@ void enqueue_pushes(Member& m, int64_t bytes, int iters, bool copy_engines) {
 // members: (CUDA ordinal, [destination pointer per peer, rotated order]) of every local GPU.
 // Returns milliseconds per push (of `bytes` to every peer) over `reps` repetitions of `iters`
 // pushes: the slowest local GPU of each repetition.
-nb::dict push_bandwidth(const std::vector<std::tuple<int, std::vector<uintptr_t>>>& members, int64_t bytes, int iters,
-                        int reps, const std::string& engine) {
+nb::dict push_bandwidth(const std::vector<std::tuple<int, std::vector<uintptr_t>>>& members,
+                        int64_t bytes, int iters, int reps, const std::string& engine) {
   if (engine != "sm" && engine != "ce") throw std::invalid_argument("engine must be 'sm' or 'ce'");
-  if (bytes < 16 || bytes % 16 != 0) throw std::invalid_argument("bytes must be a positive multiple of 16");
+  if (bytes < 16 || bytes % 16 != 0)
+    throw std::invalid_argument("bytes must be a positive multiple of 16");
   const bool copy_engines = engine == "ce";
   std::vector<Member> ms;
   for (const auto& [device, targets] : members) {
@@ -150,8 +154,8 @@ nb::dict push_bandwidth(const std::vector<std::tuple<int, std::vector<uintptr_t>
 }  // namespace
 
 void bind_push_bench(nb::module_& m) {
-  m.def("push_bandwidth", &push_bandwidth, nb::arg("members"), nb::arg("bytes_per_peer"), nb::arg("iters") = 10,
-        nb::arg("reps") = 5, nb::arg("engine") = "sm",
+  m.def("push_bandwidth", &push_bandwidth, nb::arg("members"), nb::arg("bytes_per_peer"),
+        nb::arg("iters") = 10, nb::arg("reps") = 5, nb::arg("engine") = "sm",
         "Milliseconds per push of bytes_per_peer to every target, all local GPUs at once.");
 }
 

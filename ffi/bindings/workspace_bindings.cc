@@ -48,8 +48,9 @@ Protocol parse_protocol(const std::string& name) {
 class NativeWorkspace {
  public:
   // local_members: (CUDA ordinal, CP rank) of each local device.
-  NativeWorkspace(const std::string& name, int64_t n, int64_t nbytes, double timeout_s, const std::string& protocol,
-                  int32_t block_budget, int32_t push_blocks, bool abort_on_timeout,
+  NativeWorkspace(const std::string& name, int64_t n, int64_t nbytes, double timeout_s,
+                  const std::string& protocol, int32_t block_budget, int32_t push_blocks,
+                  bool abort_on_timeout,
                   const std::vector<std::tuple<int, int64_t>>& local_members) {
     if (n < 1 || n > kMaxRanks) throw std::invalid_argument("CP size out of range");
     if (nbytes < 1) throw std::invalid_argument("nbytes must be positive");
@@ -72,11 +73,14 @@ class NativeWorkspace {
     // Normally closed already; otherwise (an error during set-up) release now, without a barrier.
     Registry::get().remove(state_->id);
     for (const auto& p : state_->begin_close()) std::fprintf(stderr, "jax_cpgrad: %s\n", p.c_str());
-    for (const auto& p : state_->finish_close()) std::fprintf(stderr, "jax_cpgrad: %s\n", p.c_str());
+    for (const auto& p : state_->finish_close())
+      std::fprintf(stderr, "jax_cpgrad: %s\n", p.c_str());
   }
 
   int64_t id() const { return state_->id; }
-  int64_t bytes_per_device() const { return region_bytes(state_->config.n, state_->config.slot_bytes); }
+  int64_t bytes_per_device() const {
+    return region_bytes(state_->config.n, state_->config.slot_bytes);
+  }
   int64_t slot_bytes() const { return state_->config.slot_bytes; }
 
   std::vector<nb::bytes> ipc_handles() const {
@@ -90,12 +94,15 @@ class NativeWorkspace {
 
   // For each local member, for each CP rank: the index of a local member, or the IPC handles of a
   // region in another process. Returns one line per pair that could not be connected.
-  std::vector<std::string> connect(const std::vector<std::vector<std::variant<int64_t, nb::bytes>>>& peers) {
-    if (peers.size() != state_->members.size()) throw std::invalid_argument("one peer list per local device");
+  std::vector<std::string> connect(
+      const std::vector<std::vector<std::variant<int64_t, nb::bytes>>>& peers) {
+    if (peers.size() != state_->members.size())
+      throw std::invalid_argument("one peer list per local device");
     std::vector<std::string> problems;
     for (size_t i = 0; i < peers.size(); ++i) {
       SymmetricRegion& region = state_->members[i]->region;
-      if (static_cast<int64_t>(peers[i].size()) != state_->config.n) throw std::invalid_argument("one entry per CP rank");
+      if (static_cast<int64_t>(peers[i].size()) != state_->config.n)
+        throw std::invalid_argument("one entry per CP rank");
       for (int64_t r = 0; r < state_->config.n; ++r) {
         std::string problem;
         if (const int64_t* local = std::get_if<int64_t>(&peers[i][r])) {
@@ -108,8 +115,9 @@ class NativeWorkspace {
           problem = region.map_other_process(r, handles);
         }
         if (!problem.empty()) {
-          problems.push_back("CP rank " + std::to_string(region.rank()) + " (GPU " + std::to_string(region.device()) +
-                             ") -> CP rank " + std::to_string(r) + ": " + problem);
+          problems.push_back("CP rank " + std::to_string(region.rank()) + " (GPU " +
+                             std::to_string(region.device()) + ") -> CP rank " + std::to_string(r) +
+                             ": " + problem);
         }
       }
     }
@@ -133,14 +141,16 @@ class NativeWorkspace {
 
   // (CUDA ordinal, rank, [(pointer, owner rank)]) per local GPU: where this rank may write up to
   // slot_bytes into each peer's memory, peers in rotated order. For the benchmarks' ceiling.
-  std::vector<std::tuple<int, int64_t, std::vector<std::tuple<uintptr_t, int64_t>>>> push_targets() const {
+  std::vector<std::tuple<int, int64_t, std::vector<std::tuple<uintptr_t, int64_t>>>> push_targets()
+      const {
     std::vector<std::tuple<int, int64_t, std::vector<std::tuple<uintptr_t, int64_t>>>> out;
     const WorkspaceConfig& cfg = state_->config;
     for (const auto& m : state_->members) {
       std::vector<std::tuple<uintptr_t, int64_t>> targets;
       for (int64_t p = 0; p + 1 < cfg.n; ++p) {
         const int64_t owner = rotated_owner(m->region.rank(), cfg.n, p);
-        const char* dst = m->region.peers().slots[owner] + slot_offset(cfg.n, cfg.slot_bytes, 0, m->region.rank());
+        const char* dst = m->region.peers().slots[owner] +
+                          slot_offset(cfg.n, cfg.slot_bytes, 0, m->region.rank());
         targets.emplace_back(reinterpret_cast<uintptr_t>(dst), owner);
       }
       out.emplace_back(m->region.device(), m->region.rank(), std::move(targets));
@@ -206,12 +216,14 @@ std::string peer_unreachable_reason(int device, const std::string& pci_bus_id) {
   int peer = -1;
   if (cudaDeviceGetByPCIBusId(&peer, pci_bus_id.c_str()) != cudaSuccess) {
     cudaGetLastError();
-    return "GPU " + pci_bus_id + " is not visible from this process (another host, or hidden by CUDA_VISIBLE_DEVICES)";
+    return "GPU " + pci_bus_id +
+           " is not visible from this process (another host, or hidden by CUDA_VISIBLE_DEVICES)";
   }
   if (peer == device) return "";
   int can = 0;
   cudaDeviceCanAccessPeer(&can, device, peer);
-  return can ? "" : "GPU " + std::to_string(device) + " has no peer-to-peer path to GPU " + pci_bus_id;
+  return can ? ""
+             : "GPU " + std::to_string(device) + " has no peer-to-peer path to GPU " + pci_bus_id;
 }
 
 std::string pci_bus_id(int device) {
@@ -247,7 +259,8 @@ uint32_t handler_traits(XLA_FFI_Handler* handler) {
   frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
   frame.extension_start = &extension.extension_base;
   frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
-  if (handler(&frame) != nullptr) throw std::runtime_error("the handler did not answer the metadata query");
+  if (handler(&frame) != nullptr)
+    throw std::runtime_error("the handler did not answer the metadata query");
   return metadata.traits;
 }
 
@@ -266,10 +279,11 @@ nb::capsule capsule(const void* p) { return nb::capsule(const_cast<void*>(p)); }
 
 void bind_workspace(nb::module_& m) {
   nb::class_<NativeWorkspace>(m, "NativeWorkspace")
-      .def(nb::init<const std::string&, int64_t, int64_t, double, const std::string&, int32_t, int32_t, bool,
-                    const std::vector<std::tuple<int, int64_t>>&>(),
-           nb::arg("name"), nb::arg("n"), nb::arg("nbytes"), nb::arg("timeout_s"), nb::arg("protocol"),
-           nb::arg("block_budget"), nb::arg("push_blocks"), nb::arg("abort_on_timeout"), nb::arg("local_members"))
+      .def(nb::init<const std::string&, int64_t, int64_t, double, const std::string&, int32_t,
+                    int32_t, bool, const std::vector<std::tuple<int, int64_t>>&>(),
+           nb::arg("name"), nb::arg("n"), nb::arg("nbytes"), nb::arg("timeout_s"),
+           nb::arg("protocol"), nb::arg("block_budget"), nb::arg("push_blocks"),
+           nb::arg("abort_on_timeout"), nb::arg("local_members"))
       .def_prop_ro("id", &NativeWorkspace::id)
       .def_prop_ro("bytes_per_device", &NativeWorkspace::bytes_per_device)
       .def_prop_ro("slot_bytes", &NativeWorkspace::slot_bytes)
@@ -286,7 +300,8 @@ void bind_workspace(nb::module_& m) {
 #endif
       .def("status", &NativeWorkspace::status);
   m.attr("HAS_TEST_HOOKS") = bool(JAX_CPGRAD_TEST_HOOKS);
-  m.def("peer_unreachable_reason", &peer_unreachable_reason, nb::arg("device"), nb::arg("pci_bus_id"));
+  m.def("peer_unreachable_reason", &peer_unreachable_reason, nb::arg("device"),
+        nb::arg("pci_bus_id"));
   m.def("pci_bus_id", &pci_bus_id, nb::arg("device"));
   m.def("multiprocessor_count", &multiprocessor_count, nb::arg("device"));
   m.def("device_memory", &device_memory, nb::arg("device"));
@@ -314,7 +329,8 @@ void bind_workspace(nb::module_& m) {
     }
     throw std::invalid_argument("no handler named " + name);
   });
-  m.attr("COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+  m.attr("COMMAND_BUFFER_COMPATIBLE") =
+      static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 }
 
 }  // namespace jax_cpgrad

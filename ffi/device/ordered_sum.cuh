@@ -11,16 +11,20 @@
 
 namespace jax_cpgrad {
 
-template <typename T> struct Convert;
-template <> struct Convert<float> {
+template <typename T>
+struct Convert;
+template <>
+struct Convert<float> {
   __device__ static float load(float x) { return x; }
   __device__ static float store(float x) { return x; }
 };
-template <> struct Convert<__nv_bfloat16> {
+template <>
+struct Convert<__nv_bfloat16> {
   __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
 };
-template <> struct Convert<__half> {
+template <>
+struct Convert<__half> {
   __device__ static float load(__half x) { return __half2float(x); }
   __device__ static __half store(float x) { return __float2half_rn(x); }
 };

@@ -11,7 +11,8 @@ namespace jax_cpgrad {
 // Calls fn(row, first byte in the row, end byte in the row) for every row that bytes
 // [begin, end) of a stream of `row_bytes`-byte rows touch.
 template <typename Fn>
-__device__ __forceinline__ void for_each_row_segment(int64_t row_bytes, int64_t begin, int64_t end, Fn fn) {
+__device__ __forceinline__ void for_each_row_segment(int64_t row_bytes, int64_t begin, int64_t end,
+                                                     Fn fn) {
   for (int64_t row = begin / row_bytes; row * row_bytes < end; ++row) {
     const int64_t row_begin = row * row_bytes;
     fn(row, max(begin, row_begin) - row_begin, min(end, row_begin + row_bytes) - row_begin);
@@ -21,8 +22,8 @@ __device__ __forceinline__ void for_each_row_segment(int64_t row_bytes, int64_t 
 // Copies bytes [begin, end) of the row stream, in units of `Unit` (every offset involved must be
 // a multiple of sizeof(Unit)), kUnroll units in flight per thread.
 template <typename Unit, int kUnroll, typename RowMap>
-__device__ __forceinline__ void block_copy_range(const RowMap& map, int64_t row_bytes, int64_t begin,
-                                                 int64_t end) {
+__device__ __forceinline__ void block_copy_range(const RowMap& map, int64_t row_bytes,
+                                                 int64_t begin, int64_t end) {
   for_each_row_segment(row_bytes, begin, end, [&](int64_t row, int64_t a, int64_t b) {
     const char* src_row;
     char* dst_row;

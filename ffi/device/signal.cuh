@@ -4,9 +4,8 @@
 // so that the 32-bit epoch may wrap.
 #pragma once
 
-#include <cuda/atomic>
-
 #include <cstdint>
+#include <cuda/atomic>
 
 namespace jax_cpgrad {
 
@@ -22,7 +21,8 @@ __device__ __forceinline__ bool epoch_reached(uint32_t value, uint32_t epoch) {
 __device__ __forceinline__ void block_publish(uint32_t* flag, uint32_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(epoch, cuda::memory_order_release);
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(epoch,
+                                                                       cuda::memory_order_release);
   }
 }
 
