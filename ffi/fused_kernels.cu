@@ -123,6 +123,24 @@ __device__ __forceinline__ int64_t finisher_index(const FusedCall& c) {
   return int64_t(blockIdx.x) - (c.shape.blocks - c.shape.finish_blocks);
 }
 
+// A pushing block's share of the call: items (tile t, peer p), tile-major, peers in rotated
+// order. Each item copies tile t of what this rank owes the owner through the row map
+// rows_for(owner, our slot on the owner) and then publishes the tile's flag there.
+template <typename Word, typename RowsFor>
+__device__ void push_tiles(const FusedCall& c, uint32_t e, int64_t set, int64_t row_bytes,
+                           RowsFor rows_for) {
+  const CallPlan& p = c.plan;
+  const int64_t items = (p.n - 1) * c.shape.tiles;
+  for (int64_t item = blockIdx.x; item < items; item += c.shape.push_blocks) {
+    const int64_t t = item / (p.n - 1);
+    const int64_t owner = rotated_owner(p.self, p.n, item % (p.n - 1));
+    char* slot = c.peers.slots[owner] + slot_offset(p.n, p.slot_bytes, set, p.self);
+    block_copy_range<Word, kCopyUnroll>(rows_for(owner, slot), row_bytes, t * c.shape.tile_bytes,
+                                        tile_end(c, t));
+    block_publish(flags_of(c.peers.header[owner]) + t * p.n + p.self, e);
+  }
+}
+
 // What every block learns first: this call's epoch, and whether the workspace is usable.
 struct CallStart {
   uint32_t epoch;
@@ -147,19 +165,13 @@ template <typename Word>
 __device__ void push_owner_chunks(const FusedCall& c, uint32_t e, int64_t set) {
   const CallPlan& p = c.plan;
   const int64_t rb = p.run_bytes();
-  const int64_t items = (p.n - 1) * c.shape.tiles;
-  for (int64_t item = blockIdx.x; item < items; item += c.shape.push_blocks) {
-    const int64_t t = item / (p.n - 1);
-    const int64_t owner = rotated_owner(p.self, p.n, item % (p.n - 1));
-    char* slot = c.peers.slots[owner] + slot_offset(p.n, p.slot_bytes, set, p.self);
-    const auto rows = [&](int64_t row, const char** src, char** dst) {
+  push_tiles<Word>(c, e, set, rb, [&](int64_t owner, char* slot) {
+    return [&, owner, slot](int64_t row, const char** src, char** dst) {
       const int64_t h = row % 2, b = (row / 2) % p.outer, k = row / (2 * p.outer);
       *src = c.t.in[k] + (b * 2 * p.n + chunk_of(owner, h, p.n)) * rb;
       *dst = slot + row * rb;
     };
-    block_copy_range<Word, kCopyUnroll>(rows, rb, t * c.shape.tile_bytes, tile_end(c, t));
-    block_publish(flags_of(c.peers.header[owner]) + t * p.n + p.self, e);
-  }
+  });
 }
 
 template <typename T, typename Word>
@@ -205,20 +217,13 @@ __global__ void __launch_bounds__(kFusedThreads) fused_grad_return(FusedCall c) 
 
 template <typename Word>
 __device__ void push_local_copies(const FusedCall& c, uint32_t e, int64_t set) {
-  const CallPlan& p = c.plan;
-  const int64_t tb = p.tensor_bytes();
-  const int64_t items = (p.n - 1) * c.shape.tiles;
-  for (int64_t item = blockIdx.x; item < items; item += c.shape.push_blocks) {
-    const int64_t t = item / (p.n - 1);
-    const int64_t owner = rotated_owner(p.self, p.n, item % (p.n - 1));
-    char* slot = c.peers.slots[owner] + slot_offset(p.n, p.slot_bytes, set, p.self);
-    const auto rows = [&](int64_t k, const char** src, char** dst) {
+  const int64_t tb = c.plan.tensor_bytes();
+  push_tiles<Word>(c, e, set, tb, [&](int64_t, char* slot) {
+    return [&, slot](int64_t k, const char** src, char** dst) {
       *src = c.t.in[k];
       *dst = slot + k * tb;
     };
-    block_copy_range<Word, kCopyUnroll>(rows, tb, t * c.shape.tile_bytes, tile_end(c, t));
-    block_publish(flags_of(c.peers.header[owner]) + t * p.n + p.self, e);
-  }
+  });
 }
 
 template <typename Word>

@@ -30,6 +30,22 @@ import jax_cpgrad as cpg  # noqa: E402
 
 XLA_KV_COLLECTIVES = re.compile(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)")
 
+# A model small enough for the CPU: 1 layer, hidden 32, 4 heads, 2 KV heads, 2 timed steps.
+TOY_MODEL = [
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--layers",
+    "1",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+]
+
 
 def _mesh(n):
     return Mesh(np.array(jax.devices("cpu")[:n]), ("cp",))
@@ -216,18 +232,7 @@ def smoke_run(tmp_path_factory):
             "--seq",
             "64",
             "128",
-            "--hidden",
-            "32",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--layers",
-            "1",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
+            *TOY_MODEL,
             "--json",
             str(js),
             "--png",
@@ -345,18 +350,7 @@ def test_the_script_runs_as_two_processes(tmp_path):
         "none",
         "--seq",
         "64",
-        "--hidden",
-        "32",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--layers",
-        "1",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
+        *TOY_MODEL,
         "--time-budget-s",
         "600",
         "--json",
