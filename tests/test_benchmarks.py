@@ -3,13 +3,14 @@ arithmetic, the ceiling's refusal of same-GPU targets, and what the GPU-only pat
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+
+from run_python import run_python, script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -19,23 +20,14 @@ import grad_return as bench  # noqa: E402
 
 from workspace_stub import workspace_spec  # noqa: E402
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 SMOKE = "benchmarks/grad_return.py --cpu --sizes 64K 1M --dtypes float32 --reps 2 --iters 2 --calls 3".split()
-
-
-def _run(args, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
     js, png = tmp / "b.json", tmp / "b.png"
-    out = _run([*SMOKE, "--json", str(js), "--png", str(png)])
+    out = run_python([*SMOKE, "--json", str(js), "--png", str(png)])
     return out, json.loads(js.read_text()), png
 
 
@@ -86,7 +78,9 @@ def test_cpu_smoke_run_writes_the_plot_and_replots_from_its_json(smoke, tmp_path
     _, _, png = smoke
     assert png.exists() and png.stat().st_size > 1000
     again = tmp_path / "again.png"
-    _run(["benchmarks/grad_return.py", "--from-json", str(png.with_suffix(".json")), "--png", str(again)])
+    run_python(
+        ["benchmarks/grad_return.py", "--from-json", str(png.with_suffix(".json")), "--png", str(again)]
+    )
     assert again.exists() and again.stat().st_size > 1000
 
 
@@ -95,10 +89,10 @@ def test_without_matplotlib_the_script_skips_the_plot_and_succeeds(tmp_path):
     args = [*SMOKE[1:], "--sizes", "64K", "--op", "grad_return", "--json", str(js), "--png", str(png)]
     code = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "
-        f"sys.argv = {['benchmarks/grad_return.py', *args]!r}; "
-        "runpy.run_path('benchmarks/grad_return.py', run_name='__main__')"
+        f"sys.argv = {[script('benchmarks/grad_return.py'), *args]!r}; "
+        f"runpy.run_path({script('benchmarks/grad_return.py')!r}, run_name='__main__')"
     )
-    out = _run(["-c", code])
+    out = run_python(["-c", code])
     assert "skipped the plot" in out
     assert js.exists() and not png.exists()
 

@@ -10,7 +10,6 @@ magnitude (observed <= 7e-7).
 import json
 import os
 import re
-import subprocess
 import sys
 from collections import Counter
 
@@ -19,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
+
+from run_python import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -200,23 +201,7 @@ def test_the_cudnn_attention_and_peer_step_lowers_for_cuda(attention, monkeypatc
 
 
 def _run(args, timeout=300):
-    # -S passes through when the suite itself runs without site (a checkout next to an installed copy).
-    cmd = [
-        sys.executable,
-        *(["-S"] if sys.flags.no_site else []),
-        os.path.join(ROOT, "benchmarks", "cp_step.py"),
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_python(["benchmarks/cp_step.py", *args], timeout)
 
 
 @pytest.fixture(scope="module")
@@ -333,38 +318,35 @@ def test_the_script_runs_as_two_processes(tmp_path):
     # One CPU device per process (gloo between them): inputs built per process, the time-budget
     # decision shared, only process 0 writes.
     js = tmp_path / "m.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jax_cpgrad.launch",
-        "-n",
-        "2",
-        "--devices",
-        "none",
-        "--timeout",
-        "240",
-        os.path.join(ROOT, "benchmarks", "cp_step.py"),
-        "--cpu",
-        "--transport",
-        "xla",
-        "none",
-        "--seq",
-        "64",
-        *TOY_MODEL,
-        "--time-budget-s",
-        "600",
-        "--json",
-        str(js),
-        "--png",
-        str(tmp_path / "m.png"),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    stdout = run_python(
+        [
+            "-m",
+            "jax_cpgrad.launch",
+            "-n",
+            "2",
+            "--devices",
+            "none",
+            "--timeout",
+            "240",
+            "benchmarks/cp_step.py",
+            "--cpu",
+            "--transport",
+            "xla",
+            "none",
+            "--seq",
+            "64",
+            *TOY_MODEL,
+            "--time-budget-s",
+            "600",
+            "--json",
+            str(js),
+            "--png",
+            str(tmp_path / "m.png"),
+        ]
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(js.read_text())
     assert data["processes"] == 2 and data["n"] == 2
     assert [r["transport"] for r in data["rows"]] == ["none", "xla"] and all(
         "median_s" in r for r in data["rows"]
     )
-    assert "[rank 1] S=64" not in proc.stdout  # only process 0 reports
+    assert "[rank 1] S=64" not in stdout  # only process 0 reports

@@ -2,31 +2,21 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
-
-
-def _run(args, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+from run_python import run_python, script
 
 
 def test_example_training_script_runs_and_learns():
-    out = _run(["examples/train_cp_transformer.py", "--n", "4", "--seq-len", "128", "--steps", "12"])
+    out = run_python(["examples/train_cp_transformer.py", "--n", "4", "--seq-len", "128", "--steps", "12"])
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 12
     assert min(losses[-3:]) < losses[0], losses
 
 
 def test_demo_runs_on_cpu_and_matches_the_reference():
-    out = _run(["-m", "jax_cpgrad.demo", "--cpu", "--seq-len", "256", "--steps", "3"])
+    out = run_python(["-m", "jax_cpgrad.demo", "--cpu", "--seq-len", "256", "--steps", "3"])
     assert "8 CPU devices; transports: xla" in out
     row = next(line for line in out.splitlines() if line.startswith("xla "))
     _, first, last, dloss, dgrad, ms = row.split()
@@ -56,7 +46,7 @@ def test_kernel_variant_sweep_compiles(tmp_path):
             "-arch=sm_90",
             "--extended-lambda",
             "-c",
-            os.path.join(ROOT, "benchmarks", "sweeps", "kernel_variants.cu"),
+            script("benchmarks/sweeps/kernel_variants.cu"),
             "-o",
             str(tmp_path / "kv.o"),
         ],
