@@ -67,6 +67,16 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
     return n
 
 
+def _device_blocks(local_devices, sm_budget: int | None, push_share: float | None) -> tuple[int, int]:
+    """(blocks, pushing blocks) of a device-protocol call on this process's GPUs: at most the SM
+    budget and the GPU's SMs, one block per SM; push_share 1 means every block pushes, then
+    finishes."""
+    sms = min((ext.multiprocessor_count(d.local_hardware_id) for d in local_devices), default=2)
+    budget = min(sm_budget or sms, sms)
+    share = push_share or DEFAULT_PUSH_SHARE
+    return budget, budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
+
+
 class Workspace:
     """Symmetric slot buffers and epoch flags for ``grad_return`` / ``all_gather`` on a mesh axis.
 
@@ -131,10 +141,7 @@ class Workspace:
         ]
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
-        sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in self._local) if self._local else 2
-        budget = min(sm_budget or sms, sms)
-        share = push_share or DEFAULT_PUSH_SHARE
-        push_blocks = budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
+        budget, push_blocks = _device_blocks(self._local, sm_budget, push_share)
         try:
             native = ext.NativeWorkspace(
                 name,
