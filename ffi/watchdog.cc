@@ -28,6 +28,7 @@ std::mutex g_mu;
 std::condition_variable g_cv;
 bool g_stop = false;
 std::thread* g_thread = nullptr;
+std::mutex g_report_mu;  // one thread turns a device report into the failure
 
 uint32_t read_host_word(const uint32_t& word) {
   return *static_cast<volatile const uint32_t*>(&word);
@@ -98,10 +99,10 @@ void report_timeout(WorkspaceState& ws, const std::string& why) {
   if (ws.config.abort_on_timeout) std::abort();
 }
 
-std::mutex g_report_mu;  // one thread turns a device report into the failure
-
-void poll_member(WorkspaceState& ws, const Member& m, const Clock::time_point now,
-                 std::vector<Watch>& watches, std::vector<Watch>& next) {
+// Stream-memop protocol: tracks how long `m` has sat at the same wait; past the timeout, reports
+// the call and releases the wait.
+void poll_stream_wait(WorkspaceState& ws, const Member& m, const Clock::time_point now,
+                      std::vector<Watch>& watches, std::vector<Watch>& next) {
   const HostReport& report = *m.region.report();
   const uint32_t reached = read_host_word(report.reached);
   if (reached == read_host_word(report.passed)) return;  // not inside a wait
@@ -132,7 +133,7 @@ void poll_once(std::vector<Watch>& watches) {
       sync_device_failure(*ws);
       continue;
     }
-    for (const auto& m : ws->members) poll_member(*ws, *m, now, watches, next);
+    for (const auto& m : ws->members) poll_stream_wait(*ws, *m, now, watches, next);
   }
   watches.swap(next);
 }
