@@ -38,7 +38,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import platform as platform_mod  # noqa: E402
 import sys  # noqa: E402
@@ -50,7 +49,9 @@ import cp_attention as cpa  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import step_profile  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from workspace_options import workspace_options  # noqa: E402
 
 import jax_cpgrad as cpg  # noqa: E402
 
@@ -288,13 +289,9 @@ def local_scalar(x) -> float:
 
 
 def make_workspace(mesh, nbytes: int, protocol: str):
-    """cpg.Workspace for the peer transport. `protocol` is passed only when this jax_cpgrad's
-    Workspace takes it (the keyword is new); "auto" then means its default."""
-    kwargs = {}
-    if "protocol" in inspect.signature(cpg.Workspace).parameters:
-        kwargs["protocol"] = protocol
-    elif protocol != "auto":
-        raise ValueError(f"this jax_cpgrad's Workspace has no protocol argument (asked for {protocol!r})")
+    """cpg.Workspace for the peer transport; `protocol` is a benchmarks/workspace_options.py name
+    ("auto", "device:32:0.5+overlap", ...)."""
+    kwargs = workspace_options(protocol)
     return cpg.Workspace(mesh, AXIS, nbytes=int(nbytes), name="cp_step", **kwargs)
 
 
@@ -331,10 +328,15 @@ def device_memory() -> dict:
     return {k: stats.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")}
 
 
-def time_step(step, args, steps: int, warmup: int) -> dict:
+def time_step(
+    step, args, steps: int, warmup: int, profile_steps: int = 0, hlo_path: str | None = None
+) -> dict:
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t0
+    if hlo_path:  # the scheduled program: what runs between an async start and its done
+        with open(hlo_path, "w") as f:
+            f.write(compiled.as_text())
     mem = _memory_analysis(compiled)
     out = None
     for _ in range(max(warmup, 1)):  # at least one: the first call allocates and loads kernels
@@ -345,9 +347,12 @@ def time_step(step, args, steps: int, warmup: int) -> dict:
         out = jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
     loss = local_scalar(out[0])
-    del out, compiled
+    del out
+    profile = step_profile.profile_step(compiled, args, profile_steps) if profile_steps else None
+    del compiled
     t = np.asarray(times)
     return {
+        "profile": profile,
         "median_s": float(np.median(t)),
         "min_s": float(t.min()),
         "max_s": float(t.max()),
@@ -389,8 +394,8 @@ def _parse(argv):
         "--protocol",
         nargs="+",
         default=["auto"],
-        choices=["auto", "device", "memop"],
-        help="peer transport protocol(s): one row each",
+        help="peer transport workspace(s), one row each: <auto|device|memop>[:B[:S]][+overlap] (SM budget B, "
+        "push share S, calls on XLA's collective stream)",
     )
     p.add_argument(
         "--attention",
@@ -408,6 +413,14 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, trace this many steps with jax.profiler: per GPU, the communication "
+        "kernels' time, the part of it no compute kernel ran beside (exposed), and their streams",
+    )
+    p.add_argument("--hlo", action="store_true", help="write each compiled step's HLO text next to --json")
     p.add_argument(
         "--time-budget-s",
         type=float,
@@ -493,6 +506,14 @@ def _free_memory():
     gc.collect()
 
 
+def _hlo_path(opts, cfg: Config, transport: str) -> str | None:
+    """--hlo: the compiled step's text goes next to the JSON, one file per config and transport."""
+    if not opts.hlo:
+        return None
+    name = f"{cfg.label()}_{transport}".replace(" ", "_").replace("=", "").replace("+", "_")
+    return os.path.join(os.path.dirname(os.path.abspath(opts.json)), f"hlo_{name}.txt")
+
+
 def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
     n = mesh.shape[AXIS]
     if cfg.seq % (2 * n):
@@ -519,7 +540,14 @@ def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
                 spec = getattr(ws, "spec", None)  # what "auto" chose, where this jax_cpgrad tells
                 row["workspace_protocol"] = getattr(spec, "protocol", None) or getattr(ws, "protocol", None)
             row.update(
-                time_step(make_step(cfg, mesh, transport, ws), (params, x, [], []), opts.steps, opts.warmup)
+                time_step(
+                    make_step(cfg, mesh, transport, ws),
+                    (params, x, [], []),
+                    opts.steps,
+                    opts.warmup,
+                    opts.profile_steps,
+                    _hlo_path(opts, cfg, name),
+                )
             )
             if ws is not None:
                 ws.check()  # a peer that timed out poisons the workspace: fail the row, not silently
@@ -538,6 +566,8 @@ def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
         row.update(device_memory())
         rows.append(row)
         say(format_row(row))
+        for gpu, prof in (row.get("profile") or {}).items():
+            say(f"    profile {gpu}: {format_profile(prof)}")
     del params, x
     _free_memory()
     return rows
@@ -547,6 +577,20 @@ HEADER = (
     f"{'config':<40} | {'transport':<11} {'ms/step':>9} {'p10-p90 ms':>17} {'Ktok/s':>8} "
     f"{'comm ms':>8} {'comm %':>6} {'XLA GiB':>8} {'peak GiB':>8} {'ws MiB':>7} {'compile s':>9}"
 )
+
+
+def format_profile(prof) -> str:
+    if not isinstance(prof, dict):
+        return str(prof)
+    parts = [f"compute {prof['compute_ms']:.2f}", f"idle {prof['idle_ms']:.2f}"]
+    for kind in step_profile.KINDS:
+        k = prof[kind]
+        if k["kernels_per_step"]:
+            parts.append(
+                f"{kind} {k['ms']:.2f} (exposed {k['exposed_ms']:.2f}, "
+                f"{k['kernels_per_step']:.0f} kernels on {', '.join(k['streams'])})"
+            )
+    return "ms/step: " + "; ".join(parts)
 
 
 def format_row(row: dict) -> str:

@@ -64,6 +64,7 @@ import jax_cpgrad as cpg  # noqa: E402
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # run through runpy or imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ceiling as ceiling_lib  # noqa: E402  (benchmarks/ceiling.py, next to this script)
+from workspace_options import workspace_options  # noqa: E402
 
 AXIS = "cp"
 SEQ_AXIS = 0
@@ -104,9 +105,17 @@ def parse_args(argv=None):
         nargs="+",
         default=None,
         help="peer workspace protocols (default: device memop with a GPU per rank, memop when "
-        "ranks share one GPU); device:B:S tunes the device protocol: B SMs, a share S of them pushing",
+        "ranks share one GPU); device:B:S tunes the device protocol: B SMs, a share S of them pushing; "
+        "+overlap runs the calls on XLA's collective stream",
     )
     p.add_argument("--calls", type=int, default=20, help="straight-line calls per jit (latency mode)")
+    p.add_argument(
+        "--head-start",
+        type=int,
+        default=0,
+        help="latency mode: bf16 matmuls of 4096^2 (~0.2 ms each on an H200) before each chain, so that the "
+        "host has enqueued the chain before the GPU reaches it (the slope is then GPU time)",
+    )
     p.add_argument("--iters", type=int, default=20, help="calls per fori_loop (bandwidth mode)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per point")
     p.add_argument("--latency-max", default="1G", help="largest size timed in latency mode")
@@ -149,10 +158,18 @@ OPS = {
 }
 
 
+def _local_stand_in(op: Op, x):
+    """An XLA op with the collective's input and output shapes and no communication."""
+    n = jax.lax.axis_size(AXIS)
+    if op.takes_shard:
+        return jnp.concatenate([x] * n, axis=SEQ_AXIS) * 2
+    return jax.lax.slice_in_dim(x, 0, x.shape[SEQ_AXIS] // n, axis=SEQ_AXIS) * 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Transport:
     name: str
-    kind: str  # "bare", "recipe" or "peer"
+    kind: str  # "bare", "recipe", "peer" or "local"
     description: str
     protocol: str | None = None
     compiler_options: tuple = ()  # (key, value) pairs for Lowered.compile
@@ -161,6 +178,8 @@ class Transport:
         """The per-rank function (k, v) -> tuple of outputs for this transport and op."""
         if self.kind == "bare":
             return lambda k, v: (op.bare(k), op.bare(v))
+        if self.kind == "local":
+            return lambda k, v: (_local_stand_in(op, k), _local_stand_in(op, v))
         workspace = ws if self.kind == "peer" else None
         return lambda k, v: tuple(op.api((k, v), axis_name=AXIS, seq_axis=SEQ_AXIS, workspace=workspace))
 
@@ -168,7 +187,13 @@ class Transport:
 def plan_transports(backend: str, shared_gpu: bool, peer_ok: bool, protocols) -> list[Transport]:
     """The transports this run can measure, in table order."""
     coll = "NCCL" if backend == "gpu" else f"XLA's {backend.upper()} collectives, not NCCL"
-    out = []
+    out = [
+        Transport(
+            "local",
+            "local",
+            "no communication: one local XLA op of the same shapes (the harness and XLA per call)",
+        )
+    ]
     if not shared_gpu:  # NCCL refuses several ranks on one GPU
         out.append(Transport("nccl", "bare", f"bare psum_scatter / all_gather, tiled, owner order ({coll})"))
         if backend == "gpu":
@@ -223,22 +248,46 @@ def make_pairs(mesh, op: Op, n: int, point: Point, count: int):
     return [tuple(arrays[TENSORS * i : TENSORS * (i + 1)]) for i in range(count)]
 
 
-def latency_fn(body, calls: int):
+HEAD_START_DIM = 4096  # one head-start matmul: 4096^3 bf16 multiply-adds, ~0.2 ms on an H200
+
+
+def _head_start(pair, matmuls: int):
+    """`matmuls` dependent bf16 matmuls that the chain waits for: while the GPU works through them
+    the host enqueues the whole chain, so the chain's slope is GPU time, not host dispatch."""
+    m = jnp.full((HEAD_START_DIM, HEAD_START_DIM), 1e-3, jnp.bfloat16) + pair[0].ravel()[0].astype(
+        jnp.bfloat16
+    )
+    for _ in range(matmuls):
+        m = m @ m
+    pair, _ = jax.lax.optimization_barrier((pair, m))
+    return pair
+
+
+def latency_fn(body, calls: int, head_start: int = 0):
     """`calls` straight-line calls on one input pair, each tied to the previous call's outputs by
     an optimization barrier: XLA can neither merge them (NCCL's combiners, CSE of calls without
-    side effects) nor reorder them. Every call's outputs are returned, so that none is dead code
-    (a device-protocol call has no side effects: XLA would drop it)."""
+    side effects) nor reorder them. One element of every call's outputs goes into the one scalar
+    returned, so that no call is dead code (a device-protocol call has no side effects: XLA would
+    drop it) while the program has one output whatever its length (returning every output cost
+    the runtime several microseconds per output). head_start: matmuls the chain waits for (see
+    _head_start)."""
 
     def run(pair):
+        if head_start:
+            pair = _head_start(pair, head_start)
         outs, prev = [], None
         for _ in range(calls):
             if prev is not None:
                 pair, prev = jax.lax.optimization_barrier((pair, prev))
             prev = body(*pair)
             outs.append(prev)
-        return outs
+        return _first_elements_sum(o for call in outs for o in call)[None]
 
     return run
+
+
+def _first_elements_sum(arrays):
+    return sum(a[(0,) * a.ndim].astype(jnp.float32) for a in arrays)
 
 
 def bandwidth_fn(body, iters: int):
@@ -249,7 +298,7 @@ def bandwidth_fn(body, iters: int):
             pair, acc = carry
             pair = tuple(x.at[0].add(1) for x in pair)
             outs = body(*pair)
-            return pair, acc + sum(o[(0,) * o.ndim].astype(jnp.float32) for o in outs)
+            return pair, acc + _first_elements_sum(outs)
 
         _, acc = jax.lax.fori_loop(0, iters, step, (pair, jnp.zeros((), jnp.float32)))
         return acc[None]
@@ -417,12 +466,18 @@ def measure(bench: Bench, op: Op, mode: str, transport: Transport, ws, point: Po
     n, opts = bench.n, bench.opts
     pair = make_pairs(bench.mesh, op, n, point, 1)[0]
     if mode == "latency":
-        # Every call's outputs stay alive (see latency_fn): at most LATENCY_OUTPUT_BUDGET of them.
+        # Every call's outputs may stay alive to the end (see latency_fn): at most
+        # LATENCY_OUTPUT_BUDGET of them.
         per_call = TENSORS * (point.local_bytes if op.name == "grad_return" else point.global_bytes)
         most = min(opts.calls, max(8, LATENCY_OUTPUT_BUDGET // per_call))
         calls = (max(1, most // 4), most)
         short, long = (
-            compile_fn(bench.mesh, latency_fn(transport.body(op, ws), k), (pair,), transport.compiler_options)
+            compile_fn(
+                bench.mesh,
+                latency_fn(transport.body(op, ws), k, opts.head_start),
+                (pair,),
+                transport.compiler_options,
+            )
             for k in calls
         )
         timing = time_per_call_slope(short, long, (pair,), calls, opts.reps, bench.sync)
@@ -448,18 +503,6 @@ def measure(bench: Bench, op: Op, mode: str, transport: Transport, ws, point: Po
         f"{transport.name:<12} {timing['median_s'] * 1e6:12.1f} us/call"
     )
     return row
-
-
-def workspace_options(protocol: str) -> dict:
-    """Workspace keywords of a --protocols entry: "memop", "device", or "device:B:S" (sm_budget B,
-    push_share S)."""
-    name, *tuning = protocol.split(":")
-    options: dict = {"protocol": name}
-    if tuning:
-        options["sm_budget"] = int(tuning[0])
-    if len(tuning) > 1:
-        options["push_share"] = float(tuning[1])
-    return options
 
 
 def open_workspace(bench: Bench, transport: Transport, point: Point):

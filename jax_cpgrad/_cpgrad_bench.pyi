@@ -16,3 +16,15 @@ def push_bandwidth(
     reps: int = 5,
     engine: str = "sm",
 ) -> dict[str, Any]: ...
+def chain_bench(
+    devices: list[int],
+    op: str = "grad_return",
+    global_bytes: int = 65536,
+    calls: int = 200,
+    reps: int = 7,
+    block_budget: int = 132,
+    push_blocks: int = 66,
+    kernel: str = "fused",
+    graph: bool = True,
+    shape: list[int] = [],
+) -> dict[str, Any]: ...

@@ -43,7 +43,7 @@ def test_cpu_smoke_run_measures_every_cpu_baseline_in_both_modes_and_ops(smoke):
     assert "not NCCL" in out  # the CPU's collectives are named for what they are
     assert data["n"] == 8 and data["backend"] == "cpu" and data["processes"] == 1
     assert data["shared_gpu"] is False and data["jax"] == jax.__version__
-    assert set(data["transports"]) == {"nccl", "xla-recipe"}
+    assert set(data["transports"]) == {"local", "nccl", "xla-recipe"}
     assert data["modes"] == ["latency", "bandwidth"] and data["ops"] == ["grad_return", "all_gather"]
     assert data["command"][0].endswith("grad_return.py") and "--cpu" in data["command"]
     for key in ("date", "host", "device_kind", "calls", "iters", "reps"):
@@ -53,7 +53,7 @@ def test_cpu_smoke_run_measures_every_cpu_baseline_in_both_modes_and_ops(smoke):
     expected = {
         (op, mode, size, t)
         for op in ("grad_return", "all_gather")
-        for t in ("nccl", "xla-recipe")
+        for t in ("local", "nccl", "xla-recipe")
         for mode, size in (("latency", 64 << 10), ("latency", 1 << 20), ("bandwidth", 1 << 20))
     }
     assert points == expected
@@ -146,15 +146,16 @@ def test_points_keep_the_sequence_divisible_by_2n():
 def test_transport_plan():
     names = lambda *a: [t.name for t in bench.plan_transports(*a)]
     assert names("gpu", False, True, ["device", "memop"]) == [
+        "local",
         "nccl",
         "nccl-symm",
         "xla-recipe",
         "peer-device",
         "peer-memop",
     ]
-    assert names("gpu", True, True, ["memop"]) == ["peer-memop"]  # NCCL cannot share a GPU
-    assert names("cpu", False, False, ["device"]) == ["nccl", "xla-recipe"]
-    symm = bench.plan_transports("gpu", False, False, ["memop"])[1]
+    assert names("gpu", True, True, ["memop"]) == ["local", "peer-memop"]  # NCCL cannot share a GPU
+    assert names("cpu", False, False, ["device"]) == ["local", "nccl", "xla-recipe"]
+    symm = bench.plan_transports("gpu", False, False, ["memop"])[2]
     assert dict(symm.compiler_options) == {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True}
 
 
@@ -284,9 +285,11 @@ def test_latency_chain_keeps_every_collective_and_the_symmetric_option_compiles(
     assert text.count("stablehlo.reduce_scatter") == bench.TENSORS * calls
     # The option name must exist in this jaxlib's DebugOptions (an unknown one raises here).
     compiled = bench.compile_fn(mesh, chain, (pair,), tuple(bench.SYMM_OPTIONS.items()))
-    outs = jax.block_until_ready(compiled(pair))
-    assert len(outs) == calls and outs[-1][0].shape == (point.seq, 8, 128)
-    assert float(outs[-1][0][0, 0, 0]) == n  # every rank contributed ones
+    out = np.asarray(jax.block_until_ready(compiled(pair)))
+    # One scalar per rank: the first element of each call's outputs, summed. Tensor t is filled
+    # with t + 1 on every rank, so its reduce-scatter's elements are n (t + 1).
+    per_call = n * sum(t + 1 for t in range(bench.TENSORS))
+    assert out.shape == (n,) and (out == calls * per_call).all()
 
 
 def test_a_workspace_that_cannot_be_created_is_skipped_not_fatal():
@@ -323,7 +326,7 @@ def test_gpu_bookkeeping_with_a_fake_workspace_and_bench(monkeypatch, tmp_path, 
     b = bench.setup(opts)
     b.backend, b.ceiling_off = "gpu", None
     b.transports = bench.plan_transports("gpu", False, True, ["device", "memop"])
-    seconds = {"nccl": 4e-5, "xla-recipe": 5e-5, "peer-memop": 2e-5}
+    seconds = {"local": 1e-5, "nccl": 4e-5, "xla-recipe": 5e-5, "peer-memop": 2e-5}
 
     def fake_measure(b_, op, mode, transport, ws, point):
         if transport.name == "nccl-symm":
@@ -349,7 +352,7 @@ def test_gpu_bookkeeping_with_a_fake_workspace_and_bench(monkeypatch, tmp_path, 
     monkeypatch.setattr(ceiling, "load_bench", lambda: (_FakeBench(), None))
     rows, ceils = bench.run(b)
     assert set(b.skipped) == {"nccl-symm", "peer-device"}
-    assert {r["transport"] for r in rows} == {"nccl", "xla-recipe", "peer-memop"}
+    assert {r["transport"] for r in rows} == {"local", "nccl", "xla-recipe", "peer-memop"}
     assert len(_FakeGpuWorkspace.closed) == 2  # one workspace per point, closed
     assert {(c["op"], c["global_bytes_per_tensor"]) for c in ceils} == {
         (op, size) for op in ("grad_return", "all_gather") for size in (64 << 10, 4 << 20)
@@ -366,3 +369,41 @@ def test_gpu_bookkeeping_with_a_fake_workspace_and_bench(monkeypatch, tmp_path, 
     assert data["ceilings"][0]["push"]["engines"].keys() == {"sm", "ce"}
     if bench.write_png(str(png), bench.metadata(b), rows, ceils):
         assert png.stat().st_size > 1000
+
+
+def test_workspace_names_give_the_workspace_keywords():
+    from workspace_options import workspace_options
+
+    assert workspace_options("device") == {"protocol": "device"}
+    assert workspace_options("device:32:0.5+overlap") == {
+        "protocol": "device",
+        "sm_budget": 32,
+        "push_share": 0.5,
+        "overlap": True,
+    }
+    for bad in ("device+fast", "nccl", "device:1:2:3"):
+        with pytest.raises(ValueError):
+            workspace_options(bad)
+
+
+def test_step_profile_splits_communication_into_hidden_and_exposed():
+    import step_profile
+
+    streams = {  # ns; two steps
+        "Stream #1": [("fusion_1", 0, 100), ("cutlass_gemm", 150, 400)],
+        "Stream #7": [
+            ("void jax_cpgrad::fused_grad_return<float>", 50, 200),
+            ("ncclDevKernel_AllReduce_Sum_bf16", 380, 500),
+            ("ncclDevKernel_ReduceScatter_Sum_bf16", 600, 700),
+        ],
+    }
+    got = step_profile.summarize_gpu(streams, steps=2)
+    per_step = lambda ns: ns / 1e6 / 2
+    # peer [50,200]: compute covers [50,100] and [150,200]; the all-reduce [380,500]: [380,400].
+    assert got["peer"]["ms"] == per_step(150) and got["peer"]["exposed_ms"] == per_step(50)
+    assert got["nccl_params"]["ms"] == per_step(120)
+    assert got["nccl_params"]["exposed_ms"] == per_step(100)
+    assert got["nccl_cp"]["exposed_ms"] == per_step(100)
+    assert got["compute_ms"] == per_step(350) and got["compute_streams"] == ["Stream #1"]
+    assert got["idle_ms"] == per_step(100)  # [500,600]
+    assert got["peer"]["streams"] == ["Stream #7"] and got["peer"]["kernels_per_step"] == 0.5

@@ -10,5 +10,7 @@ namespace jax_cpgrad {
 void bind_kernel_bench(nanobind::module_& m);
 // push_bench.cu: the push ceiling, every local GPU pushing to every peer at once.
 void bind_push_bench(nanobind::module_& m);
+// chain_bench.cu: device-protocol calls chained on real GPUs without XLA (per-call latency).
+void bind_chain_bench(nanobind::module_& m);
 
 }  // namespace jax_cpgrad

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench/bench_bindings.h"
+#include "bench/device_buffer.h"
 #include "cuda_check.h"
 #include "fused_kernels.h"
 #include "memop_kernels.h"
@@ -20,16 +21,6 @@ namespace nb = nanobind;
 
 namespace jax_cpgrad {
 namespace {
-
-struct DeviceBuffer {
-  explicit DeviceBuffer(int64_t bytes) {
-    CPG_CUDA_OR_THROW(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256)));
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  char* ptr = nullptr;
-};
 
 // N ranks' headers and slots, all on this GPU, the flags at `flag_epoch` and the state ok.
 struct EmulatedPeers {

@@ -1,0 +1,120 @@
+"""Where a step's communication sits on each GPU, from a JAX profiler trace.
+
+Runs a compiled step a few times under ``jax.profiler`` and reads the trace back (ProfileData,
+no viewer): per GPU, the kernels of each stream, split into the peer transport's, NCCL's for the
+CP collectives, NCCL's for the parameter gradients, and the rest (compute). Reported per step:
+how long each kind ran, how much of that no compute kernel ran beside (exposed), the streams
+each kind used, and how long no kernel ran at all (idle). Kernels that XLA launched inside a CUDA
+graph are reported on the stream the graph was launched on.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import jax
+
+# Kernel names (substrings) by kind; everything else on a GPU stream is compute. The parameter
+# gradients' all-reduce is NCCL's in every transport (cp_step.py), so it is counted apart.
+KINDS = {
+    "peer": ("fused_grad_return", "fused_all_gather", "copy_rows", "accumulate_rows"),
+    "nccl_cp": ("AllGather", "ReduceScatter"),
+    "nccl_params": ("AllReduce",),
+}
+
+
+def kind_of(kernel: str) -> str:
+    for kind, names in KINDS.items():
+        if any(n in kernel for n in names) and (kind == "peer" or "nccl" in kernel):
+            return kind
+    return "compute"
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _length(intervals) -> int:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of union a not covered by union b (both sorted and disjoint)."""
+    out, j = [], 0
+    for start, end in a:
+        cur = start
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+def summarize_gpu(streams: dict[str, list[tuple[str, int, int]]], steps: int) -> dict:
+    """streams: {stream name: [(kernel name, start ns, end ns)]} of one GPU -> per-step figures
+    (ms): per kind, its kernels' time, the part of it that no compute kernel ran beside
+    (exposed) and its streams; and the time no kernel at all ran (idle)."""
+    by_kind: dict[str, list] = {kind: [] for kind in (*KINDS, "compute")}
+    streams_of: dict[str, set] = {kind: set() for kind in by_kind}
+    for stream, events in streams.items():
+        for name, start, end in events:
+            kind = kind_of(name)
+            by_kind[kind].append((start, end))
+            streams_of[kind].add(stream)
+    compute = _union(by_kind["compute"])
+    everything = _union([iv for ivs in by_kind.values() for iv in ivs])
+    ms = lambda ns: ns / 1e6 / steps
+    out: dict = {
+        "compute_ms": ms(_length(compute)),
+        "idle_ms": ms(everything[-1][1] - everything[0][0] - _length(everything)) if everything else 0.0,
+        "compute_streams": sorted(streams_of["compute"]),
+    }
+    for kind in KINDS:
+        spans = _union(by_kind[kind])
+        out[kind] = {
+            "ms": ms(_length(spans)),
+            "exposed_ms": ms(_length(_minus(spans, compute))),
+            "kernels_per_step": len(by_kind[kind]) / steps,
+            "streams": sorted(streams_of[kind]),
+        }
+    return out
+
+
+def profile_step(compiled, args, steps: int = 2) -> dict:
+    """{GPU plane name: summarize_gpu(...)} over `steps` runs of `compiled` (already warm)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        try:
+            for _ in range(steps):
+                jax.block_until_ready(compiled(*args))
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": "the profiler wrote no trace"}
+        data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
+    out = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        streams = {
+            line.name: [(e.name, e.start_ns, e.end_ns) for e in line.events]
+            for line in plane.lines
+            if line.name.startswith("Stream")  # the other lines re-list the same kernels by op
+        }
+        out[plane.name] = summarize_gpu(streams, steps)
+    return out or {"error": "the trace has no GPU plane (is CUPTI available?)"}
