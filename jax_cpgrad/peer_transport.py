@@ -1,9 +1,10 @@
-"""The peer transport: the CUDA FFI handlers, called on XLA's stream inside ``shard_map``."""
+"""The peer transport: the CUDA FFI handlers, called on one of XLA's streams inside ``shard_map``."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
 from .spec import WorkspaceSpec
 
@@ -13,7 +14,23 @@ def _result_type(x, shape):
     return jax.typeof(x).update(shape=tuple(shape))
 
 
+# Where an overlapped call runs: XLA's collective stream, which it schedules like its own NCCL
+# collectives (an async start/done pair with independent work placed between them). The handler
+# is given that stream; XLA joins it back to the compute stream before the results are used and
+# keeps the inputs alive until then.
+OVERLAP_STREAM = "gpu_stream:collective"
+
+
 def _call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: WorkspaceSpec):
+    if spec.overlap:
+        on_own_stream = compute_on(compute_type=OVERLAP_STREAM, out_memory_spaces=jax.memory.Space.Device)(
+            lambda *ys: _ffi_call(op, ys, out_len, seq_axis, n, spec)
+        )
+        return tuple(on_own_stream(*xs))
+    return _ffi_call(op, xs, out_len, seq_axis, n, spec)
+
+
+def _ffi_call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: WorkspaceSpec):
     target, side_effect = spec.target(op)
     out_shape = xs[0].shape[:seq_axis] + (out_len,) + xs[0].shape[seq_axis + 1 :]
     call = jax.ffi.ffi_call(

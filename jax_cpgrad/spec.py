@@ -19,7 +19,8 @@ class WorkspaceSpec:
     """id: the native workspace's id (an attribute of every call); name: for messages; axis_name
     and n: the mesh axis and its size; nbytes: the most bytes one call moves per device, in local
     shapes; protocol: "device" (one fused kernel, device-resident epochs, CUDA-graph capturable)
-    or "memop" (stream memory operations; for ranks that share a GPU)."""
+    or "memop" (stream memory operations; for ranks that share a GPU); overlap: calls run on XLA's
+    collective stream instead of its compute stream (see Workspace)."""
 
     id: int
     name: str
@@ -27,6 +28,7 @@ class WorkspaceSpec:
     n: int
     nbytes: int
     protocol: str
+    overlap: bool = False
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:

@@ -100,6 +100,9 @@ class Workspace:
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
         raises) or ``"abort"`` (the process aborts after printing the message, for schedulers
         that restart failed jobs).
+      overlap: run each call on XLA's collective stream (``compute_on("gpu_stream:collective")``)
+        instead of its compute stream, so that XLA overlaps it with independent work as it does
+        its NCCL collectives; pair it with an ``sm_budget`` that leaves SMs to that work.
     """
 
     def __init__(
@@ -114,8 +117,11 @@ class Workspace:
         sm_budget: int | None = None,
         push_share: float | None = None,
         on_timeout: str = "raise",
+        overlap: bool = False,
     ):
         n = _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         nbytes = int(nbytes)
         require_cuda("jax_cpgrad.Workspace")
         self._closed = True
@@ -137,6 +143,7 @@ class Workspace:
             sm_budget,
             push_share,
             on_timeout,
+            overlap,
             [d.id for d in mesh.devices.flat],
         ]
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
@@ -167,7 +174,13 @@ class Workspace:
         self._key = key
         self.timeout_s = timeout_s
         self.spec = WorkspaceSpec(
-            id=native.id, name=name, axis_name=axis_name, n=n, nbytes=nbytes, protocol=resolved
+            id=native.id,
+            name=name,
+            axis_name=axis_name,
+            n=n,
+            nbytes=nbytes,
+            protocol=resolved,
+            overlap=overlap,
         )
         self.sm_budget, self.push_blocks = budget, push_blocks
         self._closed = False

@@ -200,6 +200,17 @@ def test_single_process_multi_gpu(gpu, protocol):
     _run_in_one_process(scenarios, timeout_s=900, JAX_CPGRAD_TEST_PROTOCOL=protocol)
 
 
+@pytest.mark.parametrize("protocol", ["device", "memop"])
+def test_overlapped_calls_on_the_collective_stream(gpu, protocol):
+    """Workspace(overlap=True), one process per GPU: the core scenarios with every call on XLA's
+    collective stream, plus async pairs overlapped with independent work (and, for the device
+    protocol, CUDA graphs)."""
+    _need_own_gpus(2, protocol)
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    scenarios = ["overlap", *CORE] + (["graphs"] if protocol == "device" else [])
+    _assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), 2, scenarios)
+
+
 def test_one_gpu_in_process_n1(gpu):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer."""
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")

@@ -89,3 +89,29 @@ def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_bac
     call = next(line for line in text.splitlines() if "@jax_cpgrad_grad_return" in line)
     assert "seq_axis_from_end = 2" in text
     assert "(tensor<5x16x3xf32>) -> tensor<5x4x3xf32>" in call, call
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_puts_each_call_alone_on_the_collective_stream_and_keeps_gradients(overlap):
+    """Workspace(overlap=True): every call (the backward's too) sits alone in a function that XLA
+    runs on its collective stream as an async pair; without it, no stream annotation at all."""
+    mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol="device", overlap=overlap)
+
+    def loss(k, v):
+        k_all, v_all = cpg.all_gather((k, v), axis_name="cp", seq_axis=1, workspace=ws)
+        return (k_all * v_all).sum()
+
+    f = spmd_jit(mesh, lambda k, v: jax.grad(loss, argnums=(0, 1))(k, v))
+    x = place(mesh, np.zeros((4, 2, 16, 3), np.float32))
+    text = _cuda_text(f, x, x)
+    annotated = [line for line in text.splitlines() if "_xla_stream_annotation" in line]
+    assert all('_xla_stream_annotation = "collective"' in line for line in annotated)
+    calls = [line for line in annotated if "func.call @compute_on" in line]
+    assert len(calls) == (2 if overlap else 0)  # the gather forward, the return backward
+    for target in ("@jax_cpgrad_all_gather_device(", "@jax_cpgrad_grad_return_device("):
+        assert text.count(target) == 1
+    if overlap:
+        # Each annotated function holds exactly one of our calls and nothing else of substance.
+        bodies = re.findall(r"func\.func private @compute_on\w*\(.*?\n  \}", text, re.S)
+        assert len(bodies) == 2
+        assert all(b.count("stablehlo.custom_call") == 1 for b in bodies)
