@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "bench/bench_bindings.h"
-#include "bench/device_buffer.h"
+#include "bench/bench_util.h"
 #include "cuda_check.h"
 #include "fused_kernels.h"
 
@@ -85,12 +85,7 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
   const OpKind op = op_name == "grad_return" ? OpKind::kGradReturn : OpKind::kAllGather;
   const bool empty = kernel == "empty";
   const int64_t n = static_cast<int64_t>(devices.size());
-  CallPlan plan;
-  plan.n = n;
-  plan.tensors = 2;
-  plan.dtype = ElementType::kBF16;
-  plan.run = std::max<int64_t>(8, global_bytes / 2 / (2 * n));
-  plan.slot_bytes = round_up_slot_bytes(plan.tensors * plan.tensor_bytes());
+  const CallPlan plan = bf16_pair_plan(n, global_bytes, 8);
   const int64_t global = plan.tensor_bytes() * n;
   const int64_t in_bytes = op == OpKind::kGradReturn ? global : plan.tensor_bytes();
   const int64_t out_bytes = op == OpKind::kGradReturn ? plan.tensor_bytes() : global;
@@ -178,17 +173,12 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
           }
         }
       }
-      float slowest = 0;
       for (Rank& r : ranks) {
         DeviceGuard guard(r.device);
         CPG_CUDA_OR_THROW(cudaEventRecord(r.stop, r.stream));
       }
-      for (Rank& r : ranks) {
-        DeviceGuard guard(r.device);
-        CPG_CUDA_OR_THROW(cudaEventSynchronize(r.stop));
-        float ms = 0;
-        CPG_CUDA_OR_THROW(cudaEventElapsedTime(&ms, r.start, r.stop));
-        slowest = std::max(slowest, ms);
+      const float slowest = slowest_elapsed_ms(ranks);
+      for (const Rank& r : ranks) {
         if (r.report->timed_out) throw std::runtime_error("a fused call timed out");
       }
       if (rep >= 0) per_call_us.push_back(1e3f * slowest / calls);

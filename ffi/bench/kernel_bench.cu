@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "bench/bench_bindings.h"
-#include "bench/device_buffer.h"
+#include "bench/bench_util.h"
 #include "cuda_check.h"
 #include "fused_kernels.h"
 #include "memop_kernels.h"
@@ -189,12 +189,7 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
 // satisfied: host time to enqueue, and GPU time per call, for the whole call and its parts.
 nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t block_budget,
                              int32_t push_blocks) {
-  CallPlan plan;
-  plan.n = n;
-  plan.tensors = 2;
-  plan.dtype = ElementType::kBF16;
-  plan.run = std::max<int64_t>(1, global_bytes / 2 / (2 * n));
-  plan.slot_bytes = round_up_slot_bytes(plan.tensors * plan.tensor_bytes());
+  const CallPlan plan = bf16_pair_plan(n, global_bytes, 1);
   // Our own flags already hold a later epoch than any call here reaches: every wait passes at once.
   EmulatedPeers peers(n, plan.slot_bytes, 1u << 30);
   const PeerTable& table = peers.table;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench/bench_bindings.h"
+#include "bench/bench_util.h"
 #include "call_plan.h"
 #include "cuda_check.h"
 
@@ -127,14 +128,7 @@ nb::dict push_bandwidth(const std::vector<std::tuple<int, std::vector<uintptr_t>
         DeviceGuard guard(m.device);
         enqueue_pushes(m, bytes, iters, copy_engines);
       }
-      float slowest = 0;
-      for (Member& m : ms) {
-        DeviceGuard guard(m.device);
-        CPG_CUDA_OR_THROW(cudaEventSynchronize(m.stop));
-        float ms_elapsed = 0;
-        CPG_CUDA_OR_THROW(cudaEventElapsedTime(&ms_elapsed, m.start, m.stop));
-        slowest = std::max(slowest, ms_elapsed);
-      }
+      const float slowest = slowest_elapsed_ms(ms);
       if (r >= 0) per_push.push_back(slowest / iters);
     }
   } catch (...) {
