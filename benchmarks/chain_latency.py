@@ -59,6 +59,8 @@ def main() -> None:
         raise SystemExit("benchmarks/chain_latency.py needs a GPU")
     sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in gpus)
     counts = opts.ranks or sorted({1, len(gpus)})
+    if max(counts) > len(gpus) or min(counts) < 1:
+        raise SystemExit(f"--ranks {counts}: this process sees {len(gpus)} GPU(s)")
     rows = []
     print(
         f"{'N':>2} {'op':>11} {'size':>5} {'shape':>9} {'launch':>6} {'kernel':>6} "

@@ -56,6 +56,7 @@ from workspace_options import workspace_options  # noqa: E402
 import jax_cpgrad as cpg  # noqa: E402
 
 AXIS = "cp"
+ENV_RECORDED = ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_PREALLOCATE")  # into the JSON
 TRANSPORTS = ("xla", "peer", "none")
 
 
@@ -438,7 +439,13 @@ def _parse(argv):
     p.add_argument("--cpu", action="store_true", help="8 CPU devices")
     p.add_argument("--json", default="cp_step.json")
     p.add_argument("--png", default="cp_step.png")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    for name in opts.protocol:
+        try:
+            workspace_options(name)
+        except ValueError as err:
+            p.error(str(err))
+    return opts
 
 
 def configs(opts, on_gpu: bool) -> list[Config]:
@@ -919,6 +926,7 @@ def main(argv=None) -> int:
         "n": n,
         "processes": jax.process_count(),
         "options": {k: v for k, v in vars(opts).items() if k != "started"},
+        "env": {k: os.environ.get(k) for k in ENV_RECORDED},
     }
     say(
         f"cp_step: N={n} on {devices[0].device_kind} ({jax.process_count()} process(es)), "

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh smoke overhead bench_1p        # stages, in order
 #   STAGE_ARGS_bench_1p="--dtypes float32" bash benchmarks/gpu_run.sh bench_1p
 #   STAGE_ENV_bench_1p2="XLA_FLAGS=--xla_gpu_enable_command_buffer=" bash benchmarks/gpu_run.sh bench_1p2
+#   (STAGE_ENV_<stage>: one VAR=value for that stage only; the value may hold spaces)
 #
 # Stages: smoke (device protocol: one process and one per GPU), overhead, sweep (device protocol
 # SM budgets), chain (benchmarks/chain_latency.py), ncu_fused (the fused kernel's duration on one
@@ -40,6 +41,7 @@ stage() {
 }
 
 args_of() { local var="STAGE_ARGS_$1"; echo "${!var:-}"; }
+# STAGE_ENV_<NAME>: one VAR=value (spaces allowed), passed to `env` as one word when set.
 env_of() { local var="STAGE_ENV_$1"; echo "${!var:-}"; }
 
 {
@@ -76,17 +78,17 @@ for s in "$@"; do
         'from jax_cpgrad._native import bench_ext as b; b.chain_bench([0], global_bytes=65536, calls=3, reps=1, graph=False)'
       ;;
     bench_1p*)  # one process driving every GPU; bench_1p, bench_1p2, ...: STAGE_ARGS_<name>, STAGE_ENV_<name> each
-      stage "$s" 540 env $(env_of "$s") python3 benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
+      e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
     bench_np*)  # one process per GPU
-      stage "$s" 540 env $(env_of "$s") python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
+      e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
         benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
     tests*)  # tests, tests2, ...: each with its own STAGE_ARGS_<name> (e.g. -k to select)
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs tests/test_gpu.py $(args_of "$s")
       ;;
     cp_step*)  # cp_step, cp_step2, ...: each with its own STAGE_ARGS_<name> and STAGE_ENV_<name>
-      stage "$s" 540 env $(env_of "$s") python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
+      e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
     memcheck | racecheck)
       stage "$s" 300 bash benchmarks/sanitize_2ranks.sh "$s" correctness,wrap,errors

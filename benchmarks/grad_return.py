@@ -253,14 +253,16 @@ HEAD_START_DIM = 4096  # one head-start matmul: 4096^3 bf16 multiply-adds, ~0.2 
 
 def _head_start(pair, matmuls: int):
     """`matmuls` dependent bf16 matmuls that the chain waits for: while the GPU works through them
-    the host enqueues the whole chain, so the chain's slope is GPU time, not host dispatch."""
+    the host enqueues the whole chain, so the chain's slope is GPU time, not host dispatch.
+    Returns the pair (now after the matmuls) and one element of the product, which the caller
+    must use: an unused product would be compiled away."""
     m = jnp.full((HEAD_START_DIM, HEAD_START_DIM), 1e-3, jnp.bfloat16) + pair[0].ravel()[0].astype(
         jnp.bfloat16
     )
     for _ in range(matmuls):
         m = m @ m
-    pair, _ = jax.lax.optimization_barrier((pair, m))
-    return pair
+    pair, m = jax.lax.optimization_barrier((pair, m))
+    return pair, m[0, 0].astype(jnp.float32)
 
 
 def latency_fn(body, calls: int, head_start: int = 0):
@@ -273,15 +275,16 @@ def latency_fn(body, calls: int, head_start: int = 0):
     _head_start)."""
 
     def run(pair):
+        head = jnp.zeros((), jnp.float32)
         if head_start:
-            pair = _head_start(pair, head_start)
+            pair, head = _head_start(pair, head_start)
         outs, prev = [], None
         for _ in range(calls):
             if prev is not None:
                 pair, prev = jax.lax.optimization_barrier((pair, prev))
             prev = body(*pair)
             outs.append(prev)
-        return _first_elements_sum(o for call in outs for o in call)[None]
+        return (head + _first_elements_sum(o for call in outs for o in call))[None]
 
     return run
 
@@ -372,6 +375,9 @@ def annotate(rows: list[dict], ceiling_s: dict) -> None:
             key = (r["mode"], *_point_key(r))
             best[key] = min(best.get(key, math.inf), r["median_s"])
     for r in rows:
+        if r["transport"] == "local":  # moves nothing between GPUs: no bandwidth, ratio or ceiling
+            r.update(busbw_gbps=None, vs_best_nccl=None, ceiling_s=None, of_ceiling=None)
+            continue
         r["busbw_gbps"] = busbw_gbps(r["n"], r["global_bytes_per_tensor"], r["tensors"], r["median_s"])
         ref = best.get((r["mode"], *_point_key(r)))
         r["vs_best_nccl"] = ref / r["median_s"] if ref else None
@@ -637,7 +643,7 @@ def format_row(r: dict) -> str:
     of_ceiling = None if r["of_ceiling"] is None else 100 * r["of_ceiling"]
     return (
         f"{human(r['global_bytes_per_tensor']):>11} {r['dtype']:>8}  {r['transport']:<12} "
-        f"{r['median_s'] * 1e6:>10.1f} {spread:>17} {r['busbw_gbps']:>10.1f} "
+        f"{r['median_s'] * 1e6:>10.1f} {spread:>17} {_fmt(r['busbw_gbps'], '.1f', ''):>10} "
         f"{_fmt(r['vs_best_nccl'], '.2f', 'x'):>12} {_fmt(of_ceiling, '.0f', '%'):>10}"
     )
 
@@ -709,6 +715,7 @@ def metadata(bench: Bench) -> dict:
         "skipped": bench.skipped,
         "ceiling": bench.ceiling_off or "measured",
         "calls": opts.calls,
+        "head_start": opts.head_start,
         "iters": opts.iters,
         "reps": opts.reps,
         "env": {
@@ -758,6 +765,8 @@ def _plot_panel(ax, meta, op, mode, dtype, rows, ceilings) -> None:
     value = (lambda r: r["busbw_gbps"]) if mode == "bandwidth" else (lambda r: r["median_s"] * 1e6)
     pts = [r for r in rows if (r["op"], r["mode"], r["dtype"]) == (op, mode, dtype)]
     for transport in meta["transports"]:
+        if transport == "local" and mode == "bandwidth":
+            continue  # it moves nothing between GPUs: no bus bandwidth
         line = sorted((r["global_bytes_per_tensor"], value(r)) for r in pts if r["transport"] == transport)
         if line:
             ax.plot(*zip(*line, strict=True), marker="o", label=transport)

@@ -33,6 +33,8 @@ class WorkspaceSpec:
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
 
     def target(self, op: str) -> tuple[str, bool]:
         """(FFI target name, has_side_effect) of ``op`` ("grad_return" or "all_gather")."""

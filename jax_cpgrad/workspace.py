@@ -41,7 +41,7 @@ def _default_timeout() -> float:
     return float(os.environ.get("JAX_CPGRAD_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout) -> int:
+def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap) -> int:
     """ValueError for arguments no process could use; returns N."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
@@ -55,6 +55,8 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
         raise ValueError(f"push_share must be in (0, 1], got {push_share!r}")
     if on_timeout not in ("raise", "abort"):
         raise ValueError(f"on_timeout must be 'raise' or 'abort', got {on_timeout!r}")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
     n = int(mesh.shape[axis_name])
     if n > MAX_RANKS:
         raise ValueError(f"the {axis_name!r} axis has {n} devices; at most {MAX_RANKS} are supported")
@@ -100,9 +102,11 @@ class Workspace:
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
         raises) or ``"abort"`` (the process aborts after printing the message, for schedulers
         that restart failed jobs).
-      overlap: run each call on XLA's collective stream (``compute_on("gpu_stream:collective")``)
-        instead of its compute stream, so that XLA overlaps it with independent work as it does
-        its NCCL collectives; pair it with an ``sm_budget`` that leaves SMs to that work.
+      overlap: experimental. Each call becomes an async pair on XLA's collective stream
+        (``compute_on("gpu_stream:collective")``) instead of a call on its compute stream, so that
+        XLA may schedule independent work beside it, as it does beside its NCCL collectives. On
+        jax 0.11.2 XLA schedules the pair back to back, so nothing overlaps yet (README,
+        Results). It relies on XLA running a workspace's calls one at a time; off by default.
     """
 
     def __init__(
@@ -119,9 +123,7 @@ class Workspace:
         on_timeout: str = "raise",
         overlap: bool = False,
     ):
-        n = _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout)
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        n = _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap)
         nbytes = int(nbytes)
         require_cuda("jax_cpgrad.Workspace")
         self._closed = True

@@ -62,7 +62,9 @@ def test_cpu_smoke_run_measures_every_cpu_baseline_in_both_modes_and_ops(smoke):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["calls_per_run"] == (3 if r["mode"] == "latency" else 2)
         assert r["of_ceiling"] is None and r["ceiling_s"] is None
-        if (
+        if r["transport"] == "local":  # moves nothing between devices: no bandwidth or ratio
+            assert r["busbw_gbps"] is None and r["vs_best_nccl"] is None
+        elif (
             r["mode"] == "bandwidth"
         ):  # wall time; a latency row is a slope, which noise on a busy CPU can flip
             assert r["min_s"] > 0 and r["vs_best_nccl"] > 0
@@ -390,11 +392,12 @@ def test_step_profile_splits_communication_into_hidden_and_exposed():
     import step_profile
 
     streams = {  # ns; two steps
-        "Stream #1": [("fusion_1", 0, 100), ("cutlass_gemm", 150, 400)],
+        "Stream #1": [("fusion_1", 0, 100), ("cutlass_gemm", 150, 400), ("MemcpyD2D", 400, 420)],
         "Stream #7": [
             ("void jax_cpgrad::fused_grad_return<float>", 50, 200),
             ("ncclDevKernel_AllReduce_Sum_bf16", 380, 500),
             ("ncclDevKernel_ReduceScatter_Sum_bf16", 600, 700),
+            ("ncclDevKernel_SendRecv", 700, 710),
         ],
     }
     got = step_profile.summarize_gpu(streams, steps=2)
@@ -404,6 +407,18 @@ def test_step_profile_splits_communication_into_hidden_and_exposed():
     assert got["nccl_params"]["ms"] == per_step(120)
     assert got["nccl_params"]["exposed_ms"] == per_step(100)
     assert got["nccl_cp"]["exposed_ms"] == per_step(100)
+    assert got["nccl_other"]["ms"] == per_step(10) and got["copies"]["ms"] == per_step(20)
     assert got["compute_ms"] == per_step(350) and got["compute_streams"] == ["Stream #1"]
     assert got["idle_ms"] == per_step(100)  # [500,600]
     assert got["peer"]["streams"] == ["Stream #7"] and got["peer"]["kernels_per_step"] == 0.5
+
+
+def test_the_head_start_survives_compilation():
+    """Its matmuls feed the returned scalar: XLA may not compile them away (it did when they only
+    fed an unused output of the optimization barrier)."""
+    mesh, n = _cpu_mesh(4), 4
+    op, point = bench.OPS["grad_return"], bench.make_point(64 << 10, "float32", n)
+    body = bench.Transport("nccl", "bare", "").body(op, None)
+    pair = bench.make_pairs(mesh, op, n, point, 1)[0]
+    text = bench.compile_fn(mesh, bench.latency_fn(body, 2, head_start=2), (pair,)).as_text()
+    assert text.count(" dot(") >= 2, [line for line in text.splitlines() if "dot" in line or "matmul" in line]

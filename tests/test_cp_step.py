@@ -350,3 +350,9 @@ def test_the_script_runs_as_two_processes(tmp_path):
         "median_s" in r for r in data["rows"]
     )
     assert "[rank 1] S=64" not in stdout  # only process 0 reports
+
+
+def test_a_workspace_name_with_a_typo_stops_the_run_before_it_starts():
+    with pytest.raises(SystemExit):
+        cs._parse(["--protocol", "device+overlapp"])
+    assert cs._parse(["--protocol", "device:32:0.5+overlap"]).protocol == ["device:32:0.5+overlap"]

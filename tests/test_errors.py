@@ -144,6 +144,8 @@ def test_workspace_mismatches_raise_before_tracing_the_call(fields, fn, match):
 def test_a_workspace_description_names_its_protocol():
     with pytest.raises(ValueError, match="protocol must be one of"):
         workspace_spec(protocol="nccl")
+    with pytest.raises(ValueError, match="overlap must be True or False"):
+        workspace_spec(overlap="no")
 
 
 @pytest.mark.parametrize(
@@ -153,6 +155,7 @@ def test_a_workspace_description_names_its_protocol():
         (dict(sm_budget=1), "sm_budget must be an int >= 2"),
         (dict(push_share=1.5), r"push_share must be in \(0, 1\]"),
         (dict(on_timeout="ignore"), "on_timeout must be 'raise' or 'abort'"),
+        (dict(overlap="yes"), "overlap must be True or False"),
     ],
 )
 def test_workspace_option_checks(kwargs, match):

@@ -215,3 +215,27 @@ def test_one_gpu_in_process_n1(gpu):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer."""
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     _run_in_one_process(["correctness", "wrap", "errors"], timeout_s=600, CUDA_VISIBLE_DEVICES="0")
+
+
+def test_the_overlap_scenarios_async_pair_check_can_fail():
+    """The check behind `compiled_as_an_async_pair` (runs without a GPU): it finds our call only
+    inside a computation that a call-start runs."""
+    sys.path.insert(0, os.path.dirname(WORKER))
+    import gpu_worker
+
+    call = 'custom_call_target="jax_cpgrad_grad_return_device"'
+    module = "\n".join(
+        [
+            "%wrapped (p: f32[4]) -> f32[4] {",
+            f"  ROOT %c = f32[4] custom-call(%p), {call}",
+            "}",
+            "",
+            "ENTRY %main (x: f32[4]) -> f32[4] {",
+            "  %call-start = ((f32[4]), f32[4]) call-start(%x), to_apply=%wrapped",
+            "  ROOT %call-done = f32[4] call-done(%call-start)",
+            "}",
+        ]
+    )
+    assert gpu_worker._async_pairs_running(module, "jax_cpgrad_grad_return_device") == ["wrapped"]
+    plain = f"ENTRY %main (x: f32[4]) -> f32[4] {{\n  ROOT %c = f32[4] custom-call(%x), {call}\n}}"
+    assert gpu_worker._async_pairs_running(plain, "jax_cpgrad_grad_return_device") == []

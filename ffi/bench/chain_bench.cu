@@ -59,12 +59,19 @@ FusedShape chain_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
   if (shape_override.size() != 4) throw std::invalid_argument("shape: 4 numbers");
   FusedShape s;
   s.tile_bytes = shape_override[0];
+  if (s.tile_bytes <= 0 || s.tile_bytes % 16 != 0)
+    throw std::invalid_argument("shape: tile_bytes must be a positive multiple of 16");
   s.tiles = (plan.payload_bytes() + s.tile_bytes - 1) / s.tile_bytes;
-  if (s.tiles > kMaxTiles || s.tile_bytes % 16 != 0)
-    throw std::invalid_argument("shape: too many tiles or unaligned");
+  if (s.tiles > kMaxTiles) throw std::invalid_argument("shape: more tiles than kMaxTiles");
   s.blocks = static_cast<int32_t>(shape_override[1]);
   s.push_blocks = static_cast<int32_t>(shape_override[2]);
   s.finish_blocks = static_cast<int32_t>(shape_override[3]);
+  // The kernel's contract (fused_kernels.h): pushing and finishing blocks are disjoint, or every
+  // block does both; someone pushes when there are peers, someone finishes.
+  const bool disjoint = s.push_blocks + s.finish_blocks == s.blocks;
+  const bool both = s.push_blocks == s.blocks && s.finish_blocks == s.blocks;
+  if (s.finish_blocks < 1 || (plan.n > 1 && s.push_blocks < 1) || !(disjoint || both))
+    throw std::invalid_argument("shape: blocks must be push + finish, or all of them doing both");
   return s;
 }
 
@@ -82,6 +89,8 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
     throw std::invalid_argument("kernel: 'fused' or 'empty'");
   if (op_name != "grad_return" && op_name != "all_gather")
     throw std::invalid_argument("op: 'grad_return' or 'all_gather'");
+  if (devices.empty() || calls < 1 || reps < 1)
+    throw std::invalid_argument("devices, calls and reps must not be empty or zero");
   const OpKind op = op_name == "grad_return" ? OpKind::kGradReturn : OpKind::kAllGather;
   const bool empty = kernel == "empty";
   const int64_t n = static_cast<int64_t>(devices.size());
@@ -153,10 +162,12 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
         DeviceGuard guard(r.device);
         cudaGraph_t g = nullptr;
         CPG_CUDA_OR_THROW(cudaStreamBeginCapture(r.stream, cudaStreamCaptureModeThreadLocal));
-        for (int c = 0; c < calls; ++c) CPG_CUDA_OR_THROW(enqueue(r, op, empty));
-        CPG_CUDA_OR_THROW(cudaStreamEndCapture(r.stream, &g));
-        CPG_CUDA_OR_THROW(cudaGraphInstantiate(&r.graph, g, 0));
-        cudaGraphDestroy(g);
+        cudaError_t err = cudaSuccess;
+        for (int c = 0; c < calls && err == cudaSuccess; ++c) err = enqueue(r, op, empty);
+        const cudaError_t end = cudaStreamEndCapture(r.stream, &g);  // always leave capture mode
+        if (err == cudaSuccess && end == cudaSuccess) err = cudaGraphInstantiate(&r.graph, g, 0);
+        if (g != nullptr) cudaGraphDestroy(g);
+        CPG_CUDA_OR_THROW(err != cudaSuccess ? err : end);
       }
     }
     for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
