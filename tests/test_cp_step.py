@@ -9,6 +9,7 @@ magnitude (observed <= 7e-7).
 
 import json
 import os
+import pathlib
 import re
 import sys
 from collections import Counter
@@ -218,6 +219,9 @@ def smoke_run(tmp_path_factory):
             "64",
             "128",
             *TOY_MODEL,
+            "--profile-steps",
+            "1",
+            "--hlo",
             "--json",
             str(js),
             "--png",
@@ -230,7 +234,7 @@ def smoke_run(tmp_path_factory):
 def test_the_script_times_each_config_and_transport_and_writes_json(smoke_run):
     stdout, data, _ = smoke_run
     assert data["n"] == 8 and data["processes"] == 1 and data["device_kind"] == "cpu"
-    for key in ("command", "date", "host", "jax", "options", "transports"):
+    for key in ("command", "date", "host", "jax", "options", "transports", "env"):
         assert data[key], key
     rows = data["rows"]
     assert [(r["seq"], r["transport"]) for r in rows] == [
@@ -243,7 +247,13 @@ def test_the_script_times_each_config_and_transport_and_writes_json(smoke_run):
         assert "error" not in r, r.get("error")
         assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["tokens_per_s"] > 0
         assert r["kv_heads"] == 2 and r["attention"] == "xla" and r["peak_bytes_in_use"] is None
+        # A CPU trace has no GPU plane: the profile says so, and the row keeps its timing.
+        assert "no GPU plane" in r["profile"]["error"]
     assert all(("comm_s" in r) == (r["transport"] == "xla") for r in rows)
+    hlo = sorted(p.name for p in pathlib.Path(data["options"]["json"]).parent.glob("hlo_*.txt"))
+    assert len(hlo) == len(rows) and all(
+        "HloModule" in (pathlib.Path(data["options"]["json"]).parent / h).read_text() for h in hlo
+    )
     lines = [line for line in stdout.splitlines() if line.startswith("S=64 ") or line.startswith("S=128 ")]
     assert len(lines) == 2 * len(rows)  # one line as each finishes, and the final table
 
