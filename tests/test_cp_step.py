@@ -247,8 +247,9 @@ def test_the_script_times_each_config_and_transport_and_writes_json(smoke_run):
         assert "error" not in r, r.get("error")
         assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["tokens_per_s"] > 0
         assert r["kv_heads"] == 2 and r["attention"] == "xla" and r["peak_bytes_in_use"] is None
-        # A CPU trace has no GPU plane: the profile says so, and the row keeps its timing.
-        assert "no GPU plane" in r["profile"]["error"]
+        # A CPU trace has no GPU plane (or no trace at all): the profile says why, and the row
+        # keeps its timing.
+        assert set(r["profile"]) == {"error"}
     assert all(("comm_s" in r) == (r["transport"] == "xla") for r in rows)
     hlo = sorted(p.name for p in pathlib.Path(data["options"]["json"]).parent.glob("hlo_*.txt"))
     assert len(hlo) == len(rows) and all(
