@@ -20,14 +20,9 @@ import datetime
 import json
 
 import jax
+from sizes import parse_size  # benchmarks/sizes.py, next to this script
 
 from jax_cpgrad._native import bench_ext, ext
-
-SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    return int(text[:-1]) * SIZE_UNITS[text[-1]] if text[-1] in SIZE_UNITS else int(text)
 
 
 def shape_args(shape: str, payload_bytes: int, sms: int) -> dict:

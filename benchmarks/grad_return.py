@@ -64,6 +64,7 @@ import jax_cpgrad as cpg  # noqa: E402
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # run through runpy or imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ceiling as ceiling_lib  # noqa: E402  (benchmarks/ceiling.py, next to this script)
+from sizes import human, parse_size  # noqa: E402
 from workspace_options import workspace_options  # noqa: E402
 
 AXIS = "cp"
@@ -74,19 +75,6 @@ NCCL_TRANSPORTS = ("nccl", "nccl-symm")
 SYMM_OPTIONS = {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True}
 SYNC_TIMEOUT_S = 300.0
 WORKSPACE_TIMEOUT_S = 120.0  # a peer that never arrives fails the call in 2 minutes, not in 10
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    unit = text[-1].upper()
-    return int(float(text[:-1]) * units[unit]) if unit in units else int(text)
-
-
-def human(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
 
 
 def parse_args(argv=None):

@@ -12,19 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from sizes import human, parse_size  # benchmarks/sizes.py, next to this script
+
 NCCL = ("nccl", "nccl-symm")
-
-
-def human(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 def tables(data: dict, sizes: list[int] | None = None) -> str:
