@@ -521,6 +521,11 @@ def _hlo_path(opts, cfg: Config, transport: str) -> str | None:
     return os.path.join(os.path.dirname(os.path.abspath(opts.json)), f"hlo_{name}.txt")
 
 
+def _row(cfg: Config, n: int, transport: str, protocol: str | None, **fields) -> dict:
+    """The start of one result row: the config, N, the row's transport name and protocol."""
+    return {**dataclasses.asdict(cfg), "n": n, "transport": transport, "protocol": protocol, **fields}
+
+
 def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
     n = mesh.shape[AXIS]
     if cfg.seq % (2 * n):
@@ -529,15 +534,15 @@ def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
     x = random_hidden(mesh, cfg, opts.seed)
     rows, none_s = [], None
     for name, transport, protocol in transports:
-        row = {
-            **dataclasses.asdict(cfg),
-            "n": n,
-            "transport": name,
-            "protocol": protocol,
-            "tokens_per_step": cfg.batch * cfg.seq,
-            "workspace_nbytes": None,
-            "workspace_bytes_per_device": None,
-        }
+        row = _row(
+            cfg,
+            n,
+            name,
+            protocol,
+            tokens_per_step=cfg.batch * cfg.seq,
+            workspace_nbytes=None,
+            workspace_bytes_per_device=None,
+        )
         ws = None
         try:
             if transport == "peer":
@@ -753,13 +758,7 @@ def run_precision(opts, mesh, say, meta) -> list[dict]:
     flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
     rows, first_dkdv = [], None
     for name, transport, protocol in transports:
-        row = {
-            **dataclasses.asdict(cfg),
-            "n": n,
-            "transport": name,
-            "protocol": protocol,
-            "reference_loss": ref_loss,
-        }
+        row = _row(cfg, n, name, protocol, reference_loss=ref_loss)
         ws = None
         try:
             if transport == "peer":

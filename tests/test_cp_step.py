@@ -305,14 +305,7 @@ def test_the_precision_mode_measures_the_errors_of_a_bf16_step(tmp_path):
             "4",
             "--seq",
             "64",
-            "--hidden",
-            "32",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--layers",
-            "1",
+            *TOY_MODEL,  # its --steps / --warmup do not apply to the precision mode
             "--json",
             str(js),
         ]
