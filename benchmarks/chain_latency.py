@@ -8,7 +8,8 @@ the slowest GPU). What benchmarks/grad_return.py's straight-line figure adds to 
 
     python benchmarks/chain_latency.py [--sizes 64K 1M] [--json chain.json]
 
-Launch shapes: `default` (the Workspace's), `B:P` (block budget B, P of them pushing; P >= B:
+Launch shapes: `default` (the Workspace's: LL words for small calls, tiles otherwise), `tiles`
+(the Workspace's tile shape, never LL words), `B:P` (block budget B, P of them pushing; P >= B:
 every block pushes, then finishes) and `tile=T` (tiles of T bytes, one push and one finishing
 block per tile).
 """
@@ -29,6 +30,8 @@ def shape_args(shape: str, payload_bytes: int, sms: int) -> dict:
     """chain_bench keyword arguments for one launch-shape name."""
     if shape == "default":
         return {"block_budget": sms, "push_blocks": sms // 2}
+    if shape == "tiles":
+        return {"block_budget": sms, "push_blocks": sms // 2, "wire": "tiles"}
     if shape.startswith("tile="):
         tile = parse_size(shape[5:])
         tiles = -(-payload_bytes // tile)
@@ -41,7 +44,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["64K", "1M"], help="global bytes per tensor")
     p.add_argument("--ops", nargs="+", default=["grad_return", "all_gather"])
-    p.add_argument("--shapes", nargs="+", default=["default", "2:1", "8:4", "132:132", "tile=64K", "tile=4K"])
+    p.add_argument(
+        "--shapes", nargs="+", default=["default", "tiles", "8:4", "132:132", "tile=64K", "tile=4K"]
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="GPU counts (default: 1 and all)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--reps", type=int, default=7)

@@ -2,6 +2,7 @@
 // written in fused_kernels.h.
 #include <algorithm>
 
+#include "device/call_lifecycle.cuh"
 #include "device/ordered_sum.cuh"
 #include "device/row_copy.cuh"
 #include "device/signal.cuh"
@@ -20,10 +21,6 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ Control* own_control(const FusedCall& c) {
-  return reinterpret_cast<Control*>(c.peers.header[c.plan.self]);
-}
-
 __device__ __forceinline__ int64_t tile_end(const FusedCall& c, int64_t t) {
   return min(c.plan.payload_bytes(), (t + 1) * c.shape.tile_bytes);
 }
@@ -39,16 +36,7 @@ __device__ void fail_call(const FusedCall& c, Control* ctrl, uint32_t e, const u
       atomicOr(&ctrl->missing[w / 32], 1u << (w % 32));
   }
   __syncwarp();
-  if (lane == 0) {
-    *reinterpret_cast<volatile uint32_t*>(&ctrl->failed_epoch) = e;
-    __threadfence();
-    atomicCAS(&ctrl->state, kStateOk, kStateFailed);
-    __threadfence_system();
-    volatile HostReport* report = c.report;
-    report->timed_out_epoch = e;
-    __threadfence_system();
-    report->timed_out = 1;
-  }
+  if (lane == 0) declare_failed(c, ctrl, e);
 }
 
 // Waits until the flags of tile t hold epoch e for every writer but us (only < 0) or for writer
@@ -94,30 +82,6 @@ __device__ bool wait_for_tile(const FusedCall& c, Control* ctrl, uint32_t e, int
   return ready != 0;
 }
 
-// The last block to finish advances the epoch; if the call failed (or the workspace was failed
-// or closed when it started) it fills every output with NaN first.
-__device__ void finish_call(const FusedCall& c, OpKind op, Control* ctrl, uint32_t e) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&ctrl->blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (volatile_load(&ctrl->state) != kStateOk) {
-    const int64_t bytes = (op == OpKind::kGradReturn ? 1 : c.plan.n) * c.plan.tensor_bytes();
-    for (int64_t k = 0; k < c.plan.tensors; ++k) block_poison(c.t.out[k], bytes);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile uint32_t*>(&ctrl->blocks_done) = 0;
-    __threadfence();
-    *reinterpret_cast<volatile uint32_t*>(&ctrl->epoch) = e;
-  }
-}
-
 // This block's index among the finishing blocks (negative: it does not finish).
 __device__ __forceinline__ int64_t finisher_index(const FusedCall& c) {
   return int64_t(blockIdx.x) - (c.shape.blocks - c.shape.finish_blocks);
@@ -139,22 +103,6 @@ __device__ void push_tiles(const FusedCall& c, uint32_t e, int64_t set, int64_t 
                                         tile_end(c, t));
     block_publish(flags_of(c.peers.header[owner]) + t * p.n + p.self, e);
   }
-}
-
-// What every block learns first: this call's epoch, and whether the workspace is usable.
-struct CallStart {
-  uint32_t epoch;
-  bool ok;
-};
-
-__device__ CallStart start_call(Control* ctrl) {
-  __shared__ uint32_t epoch, state;
-  if (threadIdx.x == 0) {
-    epoch = volatile_load(&ctrl->epoch) + 1;
-    state = volatile_load(&ctrl->state);
-  }
-  __syncthreads();
-  return {epoch, state == kStateOk};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -260,11 +208,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_all_gather(FusedCall c) {
 
 // ---------------------------------------------------------------------------------------------
 
-bool all_aligned_16(const FusedCall& c) {
-  bool ok = c.plan.run_bytes() % 16 == 0 && c.plan.slot_bytes % 16 == 0;
+bool all_aligned(const FusedCall& c, int64_t bytes) {
+  bool ok = c.plan.run_bytes() % bytes == 0 && c.plan.slot_bytes % bytes == 0;
   for (int64_t k = 0; k < c.plan.tensors; ++k) {
-    ok = ok && reinterpret_cast<uintptr_t>(c.t.in[k]) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(c.t.out[k]) % 16 == 0;
+    ok = ok && reinterpret_cast<uintptr_t>(c.t.in[k]) % bytes == 0 &&
+         reinterpret_cast<uintptr_t>(c.t.out[k]) % bytes == 0;
   }
   return ok;
 }
@@ -297,11 +245,18 @@ FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
   s.finish_blocks = static_cast<int32_t>(std::clamp<int64_t>(finishers, 1, finish_items));
   s.blocks =
       every_block_both ? std::max(s.push_blocks, s.finish_blocks) : s.push_blocks + s.finish_blocks;
+  if (ll_possible(plan)) {
+    const int64_t units = ceil_div(payload, 8);
+    s.ll_blocks = static_cast<int32_t>(
+        std::clamp<int64_t>(ceil_div(units, kFusedThreads), 1, std::max(block_budget, 1)));
+  }
   return s;
 }
 
 cudaError_t launch_fused(OpKind op, const FusedCall& c, cudaStream_t stream) {
-  const bool wide = all_aligned_16(c);
+  if (c.shape.ll_blocks > 0 && !c.single_buffer && all_aligned(c, 8))
+    return launch_fused_ll(op, c, stream);
+  const bool wide = all_aligned(c, 16);
   if (op == OpKind::kAllGather) {
     return wide ? launch<fused_all_gather<uint4>>(c, stream)
                 : launch<fused_all_gather<uint16_t>>(c, stream);
@@ -330,7 +285,7 @@ cudaError_t warm_fused_kernels() {
         reinterpret_cast<const void*>(fused_grad_return<__half, __half>)}) {
     if (cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess) return err;
   }
-  return cudaSuccess;
+  return warm_fused_ll_kernels();
 }
 
 }  // namespace jax_cpgrad

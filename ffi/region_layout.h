@@ -1,6 +1,7 @@
 // The memory one CP rank shares with its peers: two allocations per device.
 //
 //   header: [Control][flags: uint32 flag[tile * N + writer], kMaxTiles * N of them]
+//           [LL slots: set 0: slot 0 .. slot N-1][set 1: ...], kLLSlotBytes each
 //   slots:  [set 0: slot 0 .. slot N-1][set 1: slot 0 .. slot N-1]
 //
 // flag[t * N + w] is the last epoch writer w published for tile t of this rank's slots (the
@@ -10,6 +11,12 @@
 // set e%2 only after its call e+1 received every peer's contribution, and each peer sent those
 // after it had finished call e, reading set e%2, on its stream. So reuse is race-free by stream
 // order, without a round trip on the critical path.
+//
+// LL slots (the device protocol's small calls, fused_kernels.h) hold 16-byte words {data, epoch,
+// data, epoch}: the reader knows a word has arrived when both epochs are the call's, so no flag
+// and no fence is needed. They are kept apart from the raw slots so that raw data left there by a
+// larger call can never look like an arrived word, and start out holding the initial epoch (which
+// no call uses for 2^32 calls). The same parity sets make their reuse safe.
 //
 // The header outlives the slots: a workspace frees its slots at close(), but an executable that
 // recorded the device protocol into a CUDA graph may replay it later; the replayed kernel reads
@@ -42,10 +49,24 @@ inline constexpr int64_t kControlBytes = 256;
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 inline constexpr int64_t kSlotAlignment = 256;
 
-CPG_HOST_DEVICE inline int64_t header_bytes(int64_t n) { return kControlBytes + 4 * kMaxTiles * n; }
+// The largest payload (what one writer sends one owner) that travels as LL words; LL doubles the
+// bytes on the wire, so larger calls move raw data and signal with tile flags.
+inline constexpr int64_t kLLMaxPayload = 256 * 1024;
+inline constexpr int64_t kLLSlotBytes = 2 * kLLMaxPayload;
+
+CPG_HOST_DEVICE inline int64_t flags_bytes(int64_t n) { return 4 * kMaxTiles * n; }
+
+CPG_HOST_DEVICE inline int64_t header_bytes(int64_t n) {
+  return kControlBytes + flags_bytes(n) + 2 * n * kLLSlotBytes;
+}
 
 CPG_HOST_DEVICE inline uint32_t* flags_of(char* header) {
   return reinterpret_cast<uint32_t*>(header + kControlBytes);
+}
+
+// Writer `writer`'s LL slot of set `set` in the header `header`.
+CPG_HOST_DEVICE inline char* ll_slot_of(char* header, int64_t n, int64_t set, int64_t writer) {
+  return header + kControlBytes + flags_bytes(n) + (set * n + writer) * kLLSlotBytes;
 }
 
 CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set,

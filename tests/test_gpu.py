@@ -77,7 +77,7 @@ def _need_own_gpus(n, protocol):
         pytest.skip(f"the device protocol needs {n} GPUs (one per rank); {GPUS} visible")
 
 
-CORE = ["correctness", "race", "wrap", "errors"]
+CORE = ["correctness", "race", "race_small", "wrap", "errors"]
 
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])

@@ -84,7 +84,8 @@ cudaError_t enqueue(const Rank& r, OpKind op, bool empty) {
 nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name,
                      int64_t global_bytes, int calls, int reps, int32_t block_budget,
                      int32_t push_blocks, const std::string& kernel, bool graph,
-                     const std::vector<int64_t>& shape_override) {
+                     const std::vector<int64_t>& shape_override, const std::string& wire) {
+  if (wire != "auto" && wire != "tiles") throw std::invalid_argument("wire: 'auto' or 'tiles'");
   if (kernel != "fused" && kernel != "empty")
     throw std::invalid_argument("kernel: 'fused' or 'empty'");
   if (op_name != "grad_return" && op_name != "all_gather")
@@ -155,6 +156,7 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
       }
       c.report = ranks[i].report_on_device;
       c.shape = chain_shape(op, c.plan, block_budget, push_blocks, shape_override);
+      if (wire == "tiles") c.shape.ll_blocks = 0;
       c.timeout_ns = 10'000'000'000ull;  // a protocol bug fails the call instead of hanging
     }
     if (graph) {
@@ -195,8 +197,8 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
       if (rep >= 0) per_call_us.push_back(1e3f * slowest / calls);
     }
     const FusedShape& s = ranks[0].call.shape;
-    result["shape"] =
-        std::vector<int64_t>{s.tile_bytes, s.tiles, s.blocks, s.push_blocks, s.finish_blocks};
+    result["shape"] = std::vector<int64_t>{s.tile_bytes,  s.tiles,         s.blocks,
+                                           s.push_blocks, s.finish_blocks, s.ll_blocks};
   } catch (...) {
     release();
     throw;
@@ -217,9 +219,10 @@ void bind_chain_bench(nb::module_& m) {
         nb::arg("global_bytes") = 65536, nb::arg("calls") = 200, nb::arg("reps") = 7,
         nb::arg("block_budget") = 132, nb::arg("push_blocks") = 66, nb::arg("kernel") = "fused",
         nb::arg("graph") = true, nb::arg("shape") = std::vector<int64_t>{},
+        nb::arg("wire") = "auto",
         "Microseconds per device-protocol call (bf16, 2 tensors) chained on every listed GPU "
         "without XLA; shape = [tile_bytes, blocks, push_blocks, finish_blocks] overrides the "
-        "launch shape.");
+        "tile launch shape; wire = 'tiles' keeps small calls off the LL words.");
 }
 
 }  // namespace jax_cpgrad
