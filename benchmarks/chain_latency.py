@@ -10,8 +10,9 @@ the slowest GPU). What benchmarks/grad_return.py's straight-line figure adds to 
 
 Launch shapes: `default` (the Workspace's: LL words for small calls, tiles otherwise), `tiles`
 (the Workspace's tile shape, never LL words), `B:P` (block budget B, P of them pushing; P >= B:
-every block pushes, then finishes) and `tile=T` (tiles of T bytes, one push and one finishing
-block per tile).
+every block pushes, then finishes; small calls still go as LL words, in at most B blocks) and
+`tile=T` (tiles of T bytes, one push and one finishing block per tile, never LL words). The
+empty kernel runs with as many blocks as the call would.
 """
 
 from __future__ import annotations

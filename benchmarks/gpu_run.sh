@@ -57,7 +57,7 @@ for s in "$@"; do
     smoke)
       stage smoke_1p 150 env JAX_CPGRAD_TEST_PROTOCOL=device python3 tests/gpu_worker.py correctness,race,race_small,wrap,errors,graphs
       stage smoke_np 200 env JAX_CPGRAD_TEST_PROTOCOL=device XLA_FLAGS="--xla_dump_to=$work/dump --xla_dump_hlo_module_re=.*cpgrad_graph_probe.*" \
-        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 190 tests/gpu_worker.py correctness,graphs,race_slow_owner,race_small,race_unprotected
+        python3 -m jax_cpgrad.launch -n "$gpus" --timeout 190 tests/gpu_worker.py correctness,graphs,race_slow_owner,race_small,race_unprotected,race_small_unprotected
       stage smoke_memop 150 env JAX_CPGRAD_TEST_PROTOCOL=memop \
         python3 -m jax_cpgrad.launch -n "$gpus" --timeout 140 tests/gpu_worker.py race_slow_owner,race_unprotected
       ;;

@@ -149,14 +149,11 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
 
 template <typename T, typename Word>
 __global__ void __launch_bounds__(kFusedThreads) fused_grad_return(FusedCall c) {
-  Control* ctrl = own_control(c);
-  const CallStart s = start_call(ctrl);
-  const int64_t set = c.single_buffer ? 0 : s.epoch & 1;
-  if (s.ok) {
-    if (blockIdx.x < c.shape.push_blocks) push_owner_chunks<Word>(c, s.epoch, set);
-    if (finisher_index(c) >= 0) sum_arrived_tiles<T, Word>(c, ctrl, s.epoch, set);
-  }
-  finish_call(c, OpKind::kGradReturn, ctrl, s.epoch);
+  run_call(c, OpKind::kGradReturn, [&](Control* ctrl, uint32_t e) {
+    const int64_t set = slot_set(c, e);
+    if (blockIdx.x < c.shape.push_blocks) push_owner_chunks<Word>(c, e, set);
+    if (finisher_index(c) >= 0) sum_arrived_tiles<T, Word>(c, ctrl, e, set);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -196,14 +193,11 @@ __device__ void place_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t 
 
 template <typename Word>
 __global__ void __launch_bounds__(kFusedThreads) fused_all_gather(FusedCall c) {
-  Control* ctrl = own_control(c);
-  const CallStart s = start_call(ctrl);
-  const int64_t set = c.single_buffer ? 0 : s.epoch & 1;
-  if (s.ok) {
-    if (blockIdx.x < c.shape.push_blocks) push_local_copies<Word>(c, s.epoch, set);
-    if (finisher_index(c) >= 0) place_arrived_tiles<Word>(c, ctrl, s.epoch, set);
-  }
-  finish_call(c, OpKind::kAllGather, ctrl, s.epoch);
+  run_call(c, OpKind::kAllGather, [&](Control* ctrl, uint32_t e) {
+    const int64_t set = slot_set(c, e);
+    if (blockIdx.x < c.shape.push_blocks) push_local_copies<Word>(c, e, set);
+    if (finisher_index(c) >= 0) place_arrived_tiles<Word>(c, ctrl, e, set);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,8 +213,7 @@ bool all_aligned(const FusedCall& c, int64_t bytes) {
 
 template <auto Kernel>
 cudaError_t launch(const FusedCall& c, cudaStream_t stream) {
-  Kernel<<<c.shape.blocks, kFusedThreads, 0, stream>>>(c);
-  return cudaGetLastError();
+  return launch_kernel<Kernel>(c.shape.blocks, c, stream);
 }
 
 template <typename T>
@@ -246,7 +239,7 @@ FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
   s.blocks =
       every_block_both ? std::max(s.push_blocks, s.finish_blocks) : s.push_blocks + s.finish_blocks;
   if (ll_possible(plan)) {
-    const int64_t units = ceil_div(payload, 8);
+    const int64_t units = ceil_div(payload, kLLUnitBytes);
     s.ll_blocks = static_cast<int32_t>(
         std::clamp<int64_t>(ceil_div(units, kFusedThreads), 1, std::max(block_budget, 1)));
   }
@@ -254,8 +247,9 @@ FusedShape fused_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
 }
 
 cudaError_t launch_fused(OpKind op, const FusedCall& c, cudaStream_t stream) {
-  if (c.shape.ll_blocks > 0 && !c.single_buffer && all_aligned(c, 8))
-    return launch_fused_ll(op, c, stream);
+  // Decided by the plan alone, the same on every rank: a rank on tiles and one on LL words would
+  // wait for signals the other never sends.
+  if (c.shape.ll_blocks > 0) return launch_fused_ll(op, c, stream);
   const bool wide = all_aligned(c, 16);
   if (op == OpKind::kAllGather) {
     return wide ? launch<fused_all_gather<uint4>>(c, stream)

@@ -21,13 +21,15 @@
 //   records the writers it never heard from in Control::missing, sets Control::state to
 //   kStateFailed and reports the epoch to the host through HostReport; every other block stops
 //   waiting when it sees the state. Never trap(): it would destroy XLA's CUDA context.
-// - Small calls (payload at most kLLMaxPayload, runs a multiple of 8 bytes, 8-byte aligned
-//   tensors): the payload travels as LL words instead (region_layout.h). A launch of ll_blocks
-//   blocks; each thread owns some 8-byte units of the payload: it sends each of them to every
-//   owner in rotated order, as one 16-byte volatile store {data, e, data, e} into the owner's LL
-//   slot w of set e % 2, then, for the same units of its own payload, spins on each writer's word
-//   until both epochs read e and sums (or places) it. No flag, no fence, no barrier between
-//   push and finish: what arrives is the signal. Same epoch, deadline and failure rules.
+// - Small calls (payload at most kLLMaxPayload, runs a multiple of 8 bytes): the payload travels
+//   as LL words instead (region_layout.h). A launch of ll_blocks blocks; each thread owns some
+//   8-byte units of the payload: it sends each of them to every owner in rotated order, as one
+//   16-byte volatile store {data, e, data, ~e} into the owner's LL slot w of set e % 2, then, for
+//   the same units of its own payload, spins on each writer's word until it holds e and ~e and
+//   sums (or places) it. No flag, no fence, no barrier between push and finish: what arrives is
+//   the signal. This relies on each aligned 8-byte half of the store arriving whole (as NCCL's LL
+//   protocol does), and checks both halves. The same epoch and failure rules; the deadline is
+//   per thread, from its first wait of the call. Tensors need only element alignment.
 // - Failure: when the state is not kStateOk at the start (a failed or closed workspace) or became
 //   so during the call, the last block fills every output with NaN. A call that starts in such a
 //   state touches no peer memory and no slot: only its own Control block and its outputs.
@@ -75,9 +77,8 @@ struct FusedCall {
   bool single_buffer;  // test builds only: always slot set 0, i.e. no write-after-read protection
 };
 
-// Launches the call as LL words when its shape allows it and its tensors are 8-byte aligned (and
-// the test-only single buffer is off: the race test's negative control exercises the tile
-// flags), otherwise as tiles.
+// Launches the call as LL words when its plan allows it (shape.ll_blocks > 0; the plan is the
+// same on every rank, so every rank picks the same wire format), otherwise as tiles.
 cudaError_t launch_fused(OpKind op, const FusedCall& call, cudaStream_t stream);
 
 // The LL kernels (fused_ll_kernels.cu); launch_fused decides when.

@@ -1,7 +1,7 @@
 // The memory one CP rank shares with its peers: two allocations per device.
 //
 //   header: [Control][flags: uint32 flag[tile * N + writer], kMaxTiles * N of them]
-//           [LL slots: set 0: slot 0 .. slot N-1][set 1: ...], kLLSlotBytes each
+//           [LL slots: set 0: slot 0 .. slot N-1][set 1: ...], ll_slot_bytes(slot_bytes) each
 //   slots:  [set 0: slot 0 .. slot N-1][set 1: slot 0 .. slot N-1]
 //
 // flag[t * N + w] is the last epoch writer w published for tile t of this rank's slots (the
@@ -12,11 +12,13 @@
 // after it had finished call e, reading set e%2, on its stream. So reuse is race-free by stream
 // order, without a round trip on the critical path.
 //
-// LL slots (the device protocol's small calls, fused_kernels.h) hold 16-byte words {data, epoch,
-// data, epoch}: the reader knows a word has arrived when both epochs are the call's, so no flag
-// and no fence is needed. They are kept apart from the raw slots so that raw data left there by a
-// larger call can never look like an arrived word, and start out holding the initial epoch (which
-// no call uses for 2^32 calls). The same parity sets make their reuse safe.
+// LL slots (the device protocol's small calls, fused_kernels.h) hold 16-byte words {data, e,
+// data, ~e}: the reader knows a word has arrived when they hold the call's epoch e and its
+// complement, so no flag and no fence is needed. A uniformly filled word (the initial fill) never
+// matches, whatever the epoch; a word last written by the call 2^32 calls earlier would (the tile
+// flags have the same 2^31-call horizon). They are kept apart from the raw slots so that raw data
+// left there by a larger call can never look like an arrived word. The same parity sets make
+// their reuse safe.
 //
 // The header outlives the slots: a workspace frees its slots at close(), but an executable that
 // recorded the device protocol into a CUDA graph may replay it later; the replayed kernel reads
@@ -50,14 +52,27 @@ static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 inline constexpr int64_t kSlotAlignment = 256;
 
 // The largest payload (what one writer sends one owner) that travels as LL words; LL doubles the
-// bytes on the wire, so larger calls move raw data and signal with tile flags.
+// bytes on the wire, so larger calls move raw data and signal with tile flags. An LL word carries
+// kLLUnitBytes of payload in kLLWordBytes.
 inline constexpr int64_t kLLMaxPayload = 256 * 1024;
-inline constexpr int64_t kLLSlotBytes = 2 * kLLMaxPayload;
+inline constexpr int64_t kLLUnitBytes = 8;
+inline constexpr int64_t kLLWordBytes = 16;
+
+// One writer's LL slot: room for the largest LL payload that fits a data slot of slot_bytes.
+CPG_HOST_DEVICE inline int64_t ll_slot_bytes(int64_t slot_bytes) {
+  return (slot_bytes < kLLMaxPayload ? slot_bytes : kLLMaxPayload) / kLLUnitBytes * kLLWordBytes;
+}
 
 CPG_HOST_DEVICE inline int64_t flags_bytes(int64_t n) { return 4 * kMaxTiles * n; }
 
-CPG_HOST_DEVICE inline int64_t header_bytes(int64_t n) {
-  return kControlBytes + flags_bytes(n) + 2 * n * kLLSlotBytes;
+// Where the LL slots lie in a header, and how many bytes they take.
+CPG_HOST_DEVICE inline int64_t ll_area_offset(int64_t n) { return kControlBytes + flags_bytes(n); }
+CPG_HOST_DEVICE inline int64_t ll_area_bytes(int64_t n, int64_t slot_bytes) {
+  return 2 * n * ll_slot_bytes(slot_bytes);
+}
+
+CPG_HOST_DEVICE inline int64_t header_bytes(int64_t n, int64_t slot_bytes) {
+  return ll_area_offset(n) + ll_area_bytes(n, slot_bytes);
 }
 
 CPG_HOST_DEVICE inline uint32_t* flags_of(char* header) {
@@ -65,8 +80,9 @@ CPG_HOST_DEVICE inline uint32_t* flags_of(char* header) {
 }
 
 // Writer `writer`'s LL slot of set `set` in the header `header`.
-CPG_HOST_DEVICE inline char* ll_slot_of(char* header, int64_t n, int64_t set, int64_t writer) {
-  return header + kControlBytes + flags_bytes(n) + (set * n + writer) * kLLSlotBytes;
+CPG_HOST_DEVICE inline char* ll_slot_of(char* header, int64_t n, int64_t slot_bytes, int64_t set,
+                                        int64_t writer) {
+  return header + ll_area_offset(n) + (set * n + writer) * ll_slot_bytes(slot_bytes);
 }
 
 CPG_HOST_DEVICE inline int64_t slot_offset(int64_t n, int64_t slot_bytes, int64_t set,
@@ -78,7 +94,7 @@ inline int64_t slots_bytes(int64_t n, int64_t slot_bytes) { return 2 * n * slot_
 
 // Device memory of one rank: what workspace_bytes() reports.
 inline int64_t region_bytes(int64_t n, int64_t slot_bytes) {
-  return header_bytes(n) + slots_bytes(n, slot_bytes);
+  return header_bytes(n, slot_bytes) + slots_bytes(n, slot_bytes);
 }
 
 inline int64_t round_up_slot_bytes(int64_t nbytes) {

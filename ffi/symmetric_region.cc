@@ -41,17 +41,18 @@ SymmetricRegion::SymmetricRegion(int device, int64_t rank, int64_t n, int64_t sl
     : device_(device), rank_(rank), n_(n) {
   DeviceGuard guard(device);
   try {
-    header_ = allocate(device, header_bytes(n));
+    header_ = allocate(device, header_bytes(n, slot_bytes));
     slots_ = allocate(device, slots_bytes(n, slot_bytes));
     CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    // Control: epoch and flags at the initial epoch (0, or near 2^32 in the wrap test), state ok.
-    std::vector<uint32_t> header(header_bytes(n) / 4, initial_epoch);
+    // Control: epoch and flags at the initial epoch, state ok; the LL words filled uniformly (with
+    // the same value), which no call can take for an arrived word.
+    std::vector<uint32_t> header(header_bytes(n, slot_bytes) / 4, initial_epoch);
     Control control{};
     control.epoch = initial_epoch;
     std::memcpy(header.data(), &control, sizeof(control));
     std::memset(reinterpret_cast<char*>(header.data()) + sizeof(control), 0,
                 kControlBytes - sizeof(control));
-    write_header(0, header.data(), header_bytes(n));
+    write_header(0, header.data(), header_bytes(n, slot_bytes));
     void* report = nullptr;
     CPG_CUDA_OR_THROW(
         cudaHostAlloc(&report, sizeof(HostReport), cudaHostAllocMapped | cudaHostAllocPortable));

@@ -89,7 +89,7 @@ std::string describe_device_timeout(const WorkspaceState& ws, const Member& m) {
   }
   // The host does not see the device protocol's calls, so it cannot name the op.
   return timeout_message(ws, m, "collective", control.failed_epoch, missing,
-                         "device protocol: their flags for that call never reached its epoch");
+                         "device protocol: their data for that call never arrived");
 }
 
 void report_timeout(WorkspaceState& ws, const std::string& why) {

@@ -33,7 +33,8 @@ _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 def workspace_bytes(n: int, nbytes: int) -> int:
     """Device memory a Workspace(nbytes=...) holds on each GPU of an N-way CP group: two sets
     (double buffering) of N slots of ``nbytes``, plus the flags (8 KiB per rank) and two sets of
-    N slots of 512 KiB for the device protocol's small calls (LL words). One workspace
+    N slots for the device protocol's small calls (LL words: twice ``nbytes``, at most 512 KiB
+    each). One workspace
     serves every layer and microbatch, so this does not grow with the model's depth."""
     return int(ext.region_bytes(n, nbytes))
 

@@ -160,22 +160,29 @@ def _run_calls(mesh, n, ws, base, calls_per_step, steps, seq):
 SLOW_OWNER_NS = 20_000
 
 
-# The race tests' data: 1 MiB of float32 per rank's local shard (the device protocol moves it in
-# tiles with flags), or 64 KiB (small enough for its LL words).
+# The race tests' data: 2 MiB of float32 per rank's local shard (the device protocol moves it in
+# tiles with flags), or 128 KiB (small enough for its LL words).
 RACE_SHAPES = {"tiles": lambda n: (1, 2048 * n, 2, 128), "ll": lambda n: (1, 128 * n, 2, 128)}
 
 
-def _race(mesh, n, protected: bool, slow_owner: bool = False, wire: str = "tiles"):
+def _race(mesh, n, protected: bool, slow_owner: bool = False, wire: str = "tiles", timeout_s=None):
+    """(checked calls, bad calls, info); a call that raises (a timed-out workspace) ends the run
+    and is reported in info["error"]."""
     shape, seq = RACE_SHAPES[wire](n), 1
     base = _integer_data(n, shape, 11)
     local = base[0].nbytes // n
-    with workspace(mesh, local, name="race") as ws:
+    options = {} if timeout_s is None else {"timeout_s": timeout_s}
+    with workspace(mesh, local, name="race", **options) as ws:
         if not protected:
             _testing.remove_war_protection(ws)
         if slow_owner:
             _testing.delay_finishing(ws, 0, SLOW_OWNER_NS)
         t0 = time.time()
-        checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=50, steps=21, seq=seq)
+        error = None
+        try:
+            checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=50, steps=21, seq=seq)
+        except Exception as err:  # JaxRuntimeError: the workspace failed
+            checked, bad, error = 0, [], str(err)[:300]
         elapsed = time.time() - t0
         epochs = ws.status()["epochs"]
     return (
@@ -188,6 +195,7 @@ def _race(mesh, n, protected: bool, slow_owner: bool = False, wire: str = "tiles
             seconds=round(elapsed, 2),
             epochs=epochs,
             protocol=ws.protocol,
+            error=error,
         ),
     )
 
@@ -205,11 +213,23 @@ def race_slow_owner(mesh, n):
 
 
 def race_small(mesh, n):
-    """The slow-owner race test with calls small enough for the device protocol's LL words. (Its
-    negative control stays on tiles: without the parity sets, LL words of the next call overwrite
-    the ones the slow owner waits for, so it times out rather than reading wrong data.)"""
+    """The slow-owner race test with calls small enough for the device protocol's LL words."""
     checked, bad, info = _race(mesh, n, protected=True, slow_owner=True, wire="ll")
     return result({"at_least_1000_calls": checked >= 1000, "every_call_right": not bad}, **info)
+
+
+def race_small_unprotected(mesh, n):
+    """race_small's negative control: without the parity sets the next call's LL words overwrite
+    the ones the slow owner still waits for, with another epoch, so its call times out (NaN, then
+    a failed workspace) instead of reading wrong data. Either way the slow owner must not see
+    every call right."""
+    checked, bad, info = _race(mesh, n, protected=False, slow_owner=True, wire="ll", timeout_s=2.0)
+    checks = {}
+    if 0 in local_ranks(mesh):
+        checks["slow_owner_failed_without_protection"] = info["error"] is not None or any(
+            r == 0 for _, _, r in bad
+        )
+    return result(checks, **info)
 
 
 def race_unprotected(mesh, n):
@@ -290,18 +310,20 @@ def _command_buffer_dump(module_part: str):
 
 
 def wrap(mesh, n):
-    """The 32-bit epoch passes 2^32: start 25 calls before it and run 60."""
-    shape, seq = (1, 8 * n, 2, 32), 1
-    base = _integer_data(n, shape, 12)
-    with workspace(mesh, base[0].nbytes // n, name="wrap") as ws:
-        _testing.set_epoch(ws, 2**32 - 25)
-        checked, bad = _run_calls(mesh, n, ws, base, calls_per_step=20, steps=3, seq=seq)
-        epochs = ws.status()["epochs"]
+    """The 32-bit epoch passes 2^32: start 25 calls before it and run 60, with calls small enough
+    for LL words and with calls in tiles (flags compared across the wrap)."""
+    checked, bad, epochs = 0, [], {}
+    for wire, shape in (("ll", (1, 8 * n, 2, 32)), ("tiles", (1, 512 * n, 2, 128))):
+        base = _integer_data(n, shape, 12)
+        with workspace(mesh, base[0].nbytes // n, name=f"wrap_{wire}") as ws:
+            _testing.set_epoch(ws, 2**32 - 25)
+            c, b = _run_calls(mesh, n, ws, base, calls_per_step=20, steps=3, seq=1)
+            checked, bad, epochs[wire] = checked + c, bad + [(wire, *x) for x in b], ws.status()["epochs"]
     return result(
         {
             "every_call_right": not bad,
-            "all_calls_ran": checked == 60 * len(local_ranks(mesh)),
-            "epochs_wrapped_past_2**32": all(e < 1000 for _, _, e in epochs),
+            "all_calls_ran": checked == 2 * 60 * len(local_ranks(mesh)),
+            "epochs_wrapped_past_2**32": all(e < 1000 for es in epochs.values() for _, _, e in es),
         },
         checked_calls=checked,
         bad_calls=len(bad),
@@ -735,6 +757,7 @@ SCENARIOS = {
     "race_slow_owner": race_slow_owner,
     "race_unprotected": race_unprotected,
     "race_small": race_small,
+    "race_small_unprotected": race_small_unprotected,
     "graphs": graphs,
     "wrap": wrap,
     "errors": errors,

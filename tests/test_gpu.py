@@ -102,10 +102,14 @@ def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
         jax_cpgrad._native.HAS_TEST_HOOKS,
         "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)",
     )
-    scenarios = ["race_slow_owner", "race_unprotected"]
+    # The device protocol's small calls travel as LL words: their own race test and control.
+    small = ["race_small", "race_small_unprotected"] if protocol == "device" else []
+    scenarios = ["race_slow_owner", "race_unprotected", *small]
     found = _run(2, scenarios, protocol=protocol)
     _assert_all_ok(found, 2, scenarios)
     assert "slow_owner_got_wrong_calls_without_protection" in found[("race_unprotected", 0)]["checks"]
+    if small:
+        assert "slow_owner_failed_without_protection" in found[("race_small_unprotected", 0)]["checks"]
 
 
 def test_device_protocol_is_recorded_into_cuda_graphs(gpu, tmp_path):

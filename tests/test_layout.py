@@ -71,10 +71,9 @@ def test_native_argument_checks():
 
 def test_workspace_bytes_is_double_buffered_slots_plus_flags_and_ll_slots():
     # Two sets of N slots (rounded up to 256 bytes), a 256-byte control block, 8 KiB of flags per
-    # rank (2048 tiles x 4 bytes) and two sets of N LL slots of 512 KiB (256 KiB of payload as
-    # 16-byte words of 8), whatever the depth.
-    ll = 2 * 512 * 1024
-    assert cpg.workspace_bytes(4, 1000) == 256 + 4 * 8192 + 4 * ll + 2 * 4 * 1024
-    assert cpg.workspace_bytes(8, 1 << 20) == 256 + 8 * 8192 + 8 * ll + 16 * (1 << 20)
+    # rank (2048 tiles x 4 bytes) and two sets of N LL slots, each twice the slot up to 256 KiB of
+    # payload (16-byte words of 8), whatever the depth.
+    assert cpg.workspace_bytes(4, 1000) == 256 + 4 * 8192 + 2 * 4 * 2048 + 2 * 4 * 1024
+    assert cpg.workspace_bytes(8, 1 << 20) == 256 + 8 * 8192 + 2 * 8 * (512 << 10) + 16 * (1 << 20)
     with pytest.raises(ValueError):
         cpg.workspace_bytes(4, 0)

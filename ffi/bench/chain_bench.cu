@@ -77,7 +77,9 @@ FusedShape chain_shape(OpKind op, const CallPlan& plan, int32_t block_budget, in
 
 cudaError_t enqueue(const Rank& r, OpKind op, bool empty) {
   if (!empty) return launch_fused(op, r.call, r.stream);
-  empty_call<<<r.call.shape.blocks, kFusedThreads, 0, r.stream>>>(r.call);
+  const FusedShape& s = r.call.shape;
+  const int32_t blocks = s.ll_blocks > 0 ? s.ll_blocks : s.blocks;
+  empty_call<<<blocks, kFusedThreads, 0, r.stream>>>(r.call);
   return cudaGetLastError();
 }
 
@@ -124,8 +126,8 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
       r.device = devices[i];
       enable_peer_access(r.device, devices);
       DeviceGuard guard(r.device);
-      r.header = std::make_unique<DeviceBuffer>(header_bytes(n));
-      CPG_CUDA_OR_THROW(cudaMemset(r.header->ptr, 0, header_bytes(n)));
+      r.header = std::make_unique<DeviceBuffer>(header_bytes(n, plan.slot_bytes));
+      CPG_CUDA_OR_THROW(cudaMemset(r.header->ptr, 0, header_bytes(n, plan.slot_bytes)));
       r.slots = std::make_unique<DeviceBuffer>(slots_bytes(n, plan.slot_bytes));
       for (int k = 0; k < plan.tensors; ++k) {
         r.in.push_back(std::make_unique<DeviceBuffer>(in_bytes));

@@ -25,13 +25,13 @@ namespace {
 // N ranks' headers and slots, all on this GPU, the flags at `flag_epoch` and the state ok.
 struct EmulatedPeers {
   EmulatedPeers(int64_t n, int64_t slot_bytes, uint32_t flag_epoch) {
-    std::vector<uint32_t> header(header_bytes(n) / 4, flag_epoch);
+    std::vector<uint32_t> header(header_bytes(n, slot_bytes) / 4, flag_epoch);
     std::fill(header.begin(), header.begin() + kControlBytes / 4, 0u);
     for (int64_t r = 0; r < n; ++r) {
-      headers.push_back(std::make_unique<DeviceBuffer>(header_bytes(n)));
+      headers.push_back(std::make_unique<DeviceBuffer>(header_bytes(n, slot_bytes)));
       slots.push_back(std::make_unique<DeviceBuffer>(slots_bytes(n, slot_bytes)));
-      CPG_CUDA_OR_THROW(
-          cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n), cudaMemcpyHostToDevice));
+      CPG_CUDA_OR_THROW(cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n, slot_bytes),
+                                   cudaMemcpyHostToDevice));
       CPG_CUDA_OR_THROW(cudaMemset(slots.back()->ptr, 0, slots_bytes(n, slot_bytes)));
       table.header[r] = headers.back()->ptr;
       table.slots[r] = slots.back()->ptr;
@@ -214,6 +214,7 @@ nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t
   fused.peers = table;
   fused.report = report_on_device;
   fused.shape = fused_shape(OpKind::kGradReturn, plan, block_budget, push_blocks);
+  fused.shape.ll_blocks = 0;  // the emulated peers' flags say "arrived"; no one writes LL words
   for (int k = 0; k < 2; ++k) {
     fused.t.in[k] = static_cast<const char*>(in[k]);
     fused.t.out[k] = static_cast<char*>(out[k]);

@@ -190,9 +190,13 @@ class NativeWorkspace {
   // Every local GPU's epoch (host, device, flags, progress words) set to `epoch` before any call
   // (the wrap test starts just below 2^32). Collective: every process must call it.
   void test_set_epoch(uint32_t epoch) {
+    const int64_t n = state_->config.n;
+    // LL words refilled uniformly: words of earlier calls must not meet their epochs again.
+    const std::vector<char> ll_fill(ll_area_bytes(n, state_->config.slot_bytes), 0);
     for (const auto& m : state_->members) {
-      std::vector<uint32_t> flags(kMaxTiles * state_->config.n, epoch);
+      std::vector<uint32_t> flags(kMaxTiles * n, epoch);
       m->region.write_header(kControlBytes, flags.data(), 4 * flags.size());
+      m->region.write_header(ll_area_offset(n), ll_fill.data(), ll_fill.size());
       m->region.write_header(offsetof(Control, epoch), &epoch, sizeof(epoch));
       m->region.report()->reached = m->region.report()->passed = epoch;
       m->epoch.store(epoch);

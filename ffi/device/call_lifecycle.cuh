@@ -16,6 +16,13 @@ __device__ __forceinline__ Control* own_control(const FusedCall& c) {
   return reinterpret_cast<Control*>(c.peers.header[c.plan.self]);
 }
 
+// The slot set (of two) that call e uses: its epoch's parity, so that call e+1 never writes where
+// call e may still be read. Test builds can force set 0 (single_buffer: the race tests' negative
+// control).
+__device__ __forceinline__ int64_t slot_set(const FusedCall& c, uint32_t e) {
+  return c.single_buffer ? 0 : e & 1;
+}
+
 // What every block learns first: this call's epoch, and whether the workspace is usable.
 struct CallStart {
   uint32_t epoch;
@@ -34,11 +41,12 @@ __device__ __forceinline__ CallStart start_call(Control* ctrl) {
 
 // Marks call e failed (the caller has recorded the writers it never heard from in
 // Control::missing): the state becomes kStateFailed, so every other waiting thread stops, and
-// the host hears of it. Any thread may call it, several at once.
+// the host hears of it from the thread that made the change. Any thread may call it, several at
+// once.
 __device__ __forceinline__ void declare_failed(const FusedCall& c, Control* ctrl, uint32_t e) {
   *reinterpret_cast<volatile uint32_t*>(&ctrl->failed_epoch) = e;
   __threadfence();
-  atomicCAS(&ctrl->state, kStateOk, kStateFailed);
+  if (atomicCAS(&ctrl->state, kStateOk, kStateFailed) != kStateOk) return;
   __threadfence_system();
   volatile HostReport* report = c.report;
   report->timed_out_epoch = e;
@@ -50,8 +58,9 @@ __device__ __forceinline__ void declare_failed(const FusedCall& c, Control* ctrl
 // or closed when it started) it fills every output with NaN first. One acq_rel add orders it all:
 // after the barrier it releases this block's stores (a release is cumulative), and it lets the
 // last block acquire every other block's. No fence.sc (__threadfence): three of them on this path
-// cost microseconds per call. The closing stores need no fence either: only the next kernel on
-// this stream reads them, and it starts after this one has ended.
+// cost microseconds per call. The closing stores need no fence either: the next kernel on this
+// stream, which starts after this one has ended, is what reads them (the host's status() reads
+// the epoch too, for display only).
 __device__ __forceinline__ void finish_call(const FusedCall& c, OpKind op, Control* ctrl,
                                             uint32_t e) {
   __shared__ int last;
@@ -70,6 +79,22 @@ __device__ __forceinline__ void finish_call(const FusedCall& c, OpKind op, Contr
     ctrl->blocks_done = 0;
     ctrl->epoch = e;
   }
+}
+
+// A device-protocol kernel's frame: learn the call, run body(ctrl, epoch) if the workspace is
+// usable, then finish. Every thread reaches finish_call (body must not leave the kernel).
+template <typename Body>
+__device__ __forceinline__ void run_call(const FusedCall& c, OpKind op, Body body) {
+  Control* ctrl = own_control(c);
+  const CallStart s = start_call(ctrl);
+  if (s.ok) body(ctrl, s.epoch);
+  finish_call(c, op, ctrl, s.epoch);
+}
+
+template <auto Kernel>
+cudaError_t launch_kernel(int32_t blocks, const FusedCall& c, cudaStream_t stream) {
+  Kernel<<<blocks, kFusedThreads, 0, stream>>>(c);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_cpgrad
