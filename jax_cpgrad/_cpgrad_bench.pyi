@@ -27,4 +27,15 @@ def chain_bench(
     kernel: str = "fused",
     graph: bool = True,
     shape: list[int] = [],
+    wire: str = "auto",
 ) -> dict[str, Any]: ...
+def launch_shape(
+    op: str,
+    n: int,
+    tensors: int,
+    outer: int,
+    run: int,
+    element_bytes: int,
+    block_budget: int = 132,
+    push_blocks: int = 66,
+) -> dict[str, int]: ...

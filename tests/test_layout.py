@@ -77,3 +77,30 @@ def test_workspace_bytes_is_double_buffered_slots_plus_flags_and_ll_slots():
     assert cpg.workspace_bytes(8, 1 << 20) == 256 + 8 * 8192 + 2 * 8 * (512 << 10) + 16 * (1 << 20)
     with pytest.raises(ValueError):
         cpg.workspace_bytes(4, 0)
+
+
+def _launch_shape(**kwargs):
+    from jax_cpgrad._native import bench_ext
+
+    if bench_ext is None:
+        pytest.skip("the launch shapes come from the CUDA build's benchmark module")
+    return bench_ext.launch_shape(**kwargs)
+
+
+@pytest.mark.parametrize("op", ["grad_return", "all_gather"])
+def test_small_calls_travel_as_ll_words_and_larger_ones_as_tiles(op):
+    """The wire format is a function of the call's shape alone (every rank must pick the same):
+    LL words from 2 ranks up, for payloads up to 256 KiB per owner whose runs are a multiple of
+    8 bytes, one 8-byte unit per thread (512 per block) up to the block budget."""
+    ll = lambda **kw: _launch_shape(op=op, **{"n": 2, "tensors": 2, "outer": 1, "element_bytes": 2, **kw})
+    # payload = tensors * outer * 2 * run * element_bytes
+    assert ll(run=8192)["payload_bytes"] == 64 << 10
+    assert ll(run=8192)["ll_blocks"] == (64 << 10) // 8 // 512
+    assert ll(run=32768)["ll_blocks"] == 64  # 256 KiB: the largest LL payload
+    assert ll(run=32768, block_budget=16)["ll_blocks"] == 16
+    assert ll(run=32768 + 4)["ll_blocks"] == 0  # just over 256 KiB: tiles
+    assert ll(run=105)["ll_blocks"] == 0  # runs of 210 bytes: tiles
+    assert ll(run=8192, n=1)["ll_blocks"] == 0  # nothing to send
+    assert ll(run=4, element_bytes=4, outer=3, n=8)["ll_blocks"] == 1
+    tiles = ll(run=1 << 18)
+    assert tiles["ll_blocks"] == 0 and tiles["tiles"] * tiles["tile_bytes"] >= tiles["payload_bytes"]

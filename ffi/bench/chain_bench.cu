@@ -216,7 +216,44 @@ nb::dict chain_bench(const std::vector<int>& devices, const std::string& op_name
 
 }  // namespace
 
+namespace {
+
+// The device protocol's launch shape for one call, as the handler computes it (no GPU needed):
+// what tests check the choice between LL words and tiles against.
+nb::dict launch_shape(const std::string& op_name, int64_t n, int64_t tensors, int64_t outer,
+                      int64_t run, int64_t element_bytes, int32_t block_budget,
+                      int32_t push_blocks) {
+  if (op_name != "grad_return" && op_name != "all_gather")
+    throw std::invalid_argument("op: 'grad_return' or 'all_gather'");
+  if (element_bytes != 2 && element_bytes != 4)
+    throw std::invalid_argument("element_bytes: 2 or 4");
+  CallPlan plan;
+  plan.n = n;
+  plan.tensors = tensors;
+  plan.outer = outer;
+  plan.run = run;
+  plan.dtype = element_bytes == 4 ? ElementType::kF32 : ElementType::kBF16;
+  plan.slot_bytes = round_up_slot_bytes(plan.payload_bytes());
+  const OpKind op = op_name == "grad_return" ? OpKind::kGradReturn : OpKind::kAllGather;
+  const FusedShape s = fused_shape(op, plan, block_budget, push_blocks);
+  nb::dict d;
+  d["payload_bytes"] = plan.payload_bytes();
+  d["tile_bytes"] = s.tile_bytes;
+  d["tiles"] = s.tiles;
+  d["blocks"] = s.blocks;
+  d["push_blocks"] = s.push_blocks;
+  d["finish_blocks"] = s.finish_blocks;
+  d["ll_blocks"] = s.ll_blocks;
+  return d;
+}
+
+}  // namespace
+
 void bind_chain_bench(nb::module_& m) {
+  m.def("launch_shape", &launch_shape, nb::arg("op"), nb::arg("n"), nb::arg("tensors"),
+        nb::arg("outer"), nb::arg("run"), nb::arg("element_bytes"), nb::arg("block_budget") = 132,
+        nb::arg("push_blocks") = 66,
+        "The device protocol's launch shape for one call (ll_blocks > 0: LL words).");
   m.def("chain_bench", &chain_bench, nb::arg("devices"), nb::arg("op") = "grad_return",
         nb::arg("global_bytes") = 65536, nb::arg("calls") = 200, nb::arg("reps") = 7,
         nb::arg("block_budget") = 132, nb::arg("push_blocks") = 66, nb::arg("kernel") = "fused",
