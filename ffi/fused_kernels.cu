@@ -266,19 +266,26 @@ cudaError_t launch_fused(OpKind op, const FusedCall& c, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-cudaError_t warm_fused_kernels() {
+cudaError_t load_kernels(std::initializer_list<const void*> kernels) {
   cudaFuncAttributes attr;
-  for (const void* kernel :
-       {reinterpret_cast<const void*>(fused_all_gather<uint4>),
-        reinterpret_cast<const void*>(fused_all_gather<uint16_t>),
-        reinterpret_cast<const void*>(fused_grad_return<float, uint4>),
-        reinterpret_cast<const void*>(fused_grad_return<float, float>),
-        reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, uint4>),
-        reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, __nv_bfloat16>),
-        reinterpret_cast<const void*>(fused_grad_return<__half, uint4>),
-        reinterpret_cast<const void*>(fused_grad_return<__half, __half>)}) {
+  for (const void* kernel : kernels) {
     if (cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess) return err;
   }
+  return cudaSuccess;
+}
+
+cudaError_t warm_fused_kernels() {
+  if (cudaError_t err = load_kernels(
+          {reinterpret_cast<const void*>(fused_all_gather<uint4>),
+           reinterpret_cast<const void*>(fused_all_gather<uint16_t>),
+           reinterpret_cast<const void*>(fused_grad_return<float, uint4>),
+           reinterpret_cast<const void*>(fused_grad_return<float, float>),
+           reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, uint4>),
+           reinterpret_cast<const void*>(fused_grad_return<__nv_bfloat16, __nv_bfloat16>),
+           reinterpret_cast<const void*>(fused_grad_return<__half, uint4>),
+           reinterpret_cast<const void*>(fused_grad_return<__half, __half>)});
+      err != cudaSuccess)
+    return err;
   return warm_fused_ll_kernels();
 }
 

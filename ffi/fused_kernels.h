@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "call_plan.h"
 
@@ -47,10 +48,10 @@ inline constexpr int kFusedThreads = 512;
 
 // Written by the GPU into mapped pinned host memory, read by the watchdog without any CUDA call.
 struct HostReport {
-  uint32_t reached;          // stream-memop protocol: epoch whose wait the stream arrived at
-  uint32_t passed;           // stream-memop protocol: epoch whose wait the stream passed
-  uint32_t timed_out;        // device protocol: set when a kernel's wait expired
-  uint32_t timed_out_epoch;  // device protocol: the epoch of that call
+  uint32_t reached;    // stream-memop protocol: epoch whose wait the stream arrived at
+  uint32_t passed;     // stream-memop protocol: epoch whose wait the stream passed
+  uint32_t timed_out;  // device protocol: set when a kernel's wait expired (the call's
+                       // epoch and missing writers are in Control)
 };
 
 // How a call is cut into tiles and blocks (the same on every call with the same shapes).
@@ -88,5 +89,7 @@ cudaError_t warm_fused_ll_kernels();
 
 // Loads every fused kernel now, so that CUDA's lazy loading never blocks inside a handler.
 cudaError_t warm_fused_kernels();
+// Loads the given kernels (what warm_fused_kernels does for each file's kernels).
+cudaError_t load_kernels(std::initializer_list<const void*> kernels);
 
 }  // namespace jax_cpgrad

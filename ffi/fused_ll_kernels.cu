@@ -251,14 +251,11 @@ bool tensors_aligned_8(const FusedCall& c) {
 }
 
 template <bool kAligned>
-cudaError_t warm(cudaFuncAttributes* attr) {
-  for (const void* kernel : {reinterpret_cast<const void*>(ll_all_gather<kAligned>),
-                             reinterpret_cast<const void*>(ll_grad_return<float, kAligned>),
-                             reinterpret_cast<const void*>(ll_grad_return<__nv_bfloat16, kAligned>),
-                             reinterpret_cast<const void*>(ll_grad_return<__half, kAligned>)}) {
-    if (cudaError_t err = cudaFuncGetAttributes(attr, kernel); err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+cudaError_t warm() {
+  return load_kernels({reinterpret_cast<const void*>(ll_all_gather<kAligned>),
+                       reinterpret_cast<const void*>(ll_grad_return<float, kAligned>),
+                       reinterpret_cast<const void*>(ll_grad_return<__nv_bfloat16, kAligned>),
+                       reinterpret_cast<const void*>(ll_grad_return<__half, kAligned>)});
 }
 
 }  // namespace
@@ -274,9 +271,8 @@ cudaError_t launch_fused_ll(OpKind op, const FusedCall& c, cudaStream_t stream) 
 }
 
 cudaError_t warm_fused_ll_kernels() {
-  cudaFuncAttributes attr;
-  if (cudaError_t err = warm<true>(&attr); err != cudaSuccess) return err;
-  return warm<false>(&attr);
+  if (cudaError_t err = warm<true>(); err != cudaSuccess) return err;
+  return warm<false>();
 }
 
 }  // namespace jax_cpgrad

@@ -57,7 +57,7 @@ SymmetricRegion::SymmetricRegion(int device, int64_t rank, int64_t n, int64_t sl
     CPG_CUDA_OR_THROW(
         cudaHostAlloc(&report, sizeof(HostReport), cudaHostAllocMapped | cudaHostAllocPortable));
     report_ = static_cast<HostReport*>(report);
-    *report_ = HostReport{initial_epoch, initial_epoch, 0, 0};
+    *report_ = HostReport{initial_epoch, initial_epoch, 0};
     void* report_dev = nullptr;
     CPG_CUDA_OR_THROW(cudaHostGetDevicePointer(&report_dev, report, 0));
     report_dev_ = static_cast<HostReport*>(report_dev);

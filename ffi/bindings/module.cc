@@ -26,6 +26,11 @@ void check_chunk_args(int64_t n) {
   }
 }
 
+void check_chunk(int64_t chunk, int64_t n) {
+  check_chunk_args(n);
+  if (chunk < 0 || chunk >= 2 * n) throw std::invalid_argument("need 0 <= chunk < 2n");
+}
+
 // The global chunks in CP-layout order: rank 0's two chunks, then rank 1's, ...
 std::vector<int64_t> layout_order(int64_t n) {
   check_chunk_args(n);
@@ -67,16 +72,14 @@ NB_MODULE(_cpgrad_ext, m) {
   m.def(
       "owner_of",
       [](int64_t chunk, int64_t n) {
-        check_chunk_args(n);
-        if (chunk < 0 || chunk >= 2 * n) throw std::invalid_argument("need 0 <= chunk < 2n");
+        check_chunk(chunk, n);
         return owner_of(chunk, n);
       },
       nb::arg("chunk"), nb::arg("n"), "CP rank that holds global chunk `chunk`.");
   m.def(
       "half_of",
       [](int64_t chunk, int64_t n) {
-        check_chunk_args(n);
-        if (chunk < 0 || chunk >= 2 * n) throw std::invalid_argument("need 0 <= chunk < 2n");
+        check_chunk(chunk, n);
         return half_of(chunk, n);
       },
       nb::arg("chunk"), nb::arg("n"),
