@@ -98,7 +98,11 @@ ffi::Error enqueue_fused(const WorkspaceState& ws, const Member& m, const CallPl
   return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the fused kernel");
 }
 
-template <OpKind kOp, Protocol kProtocol>
+// How a call reaches the GPU: whole on XLA's stream, or (Workspace(overlap=True)) as the start of
+// a start/done pair, enqueued on the workspace's own stream (call_stream.h).
+enum class Phase : uint8_t { kWhole, kStart };
+
+template <OpKind kOp, Protocol kProtocol, Phase kPhase>
 ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::RemainingArgs args,
                    ffi::RemainingRets rets, CallAttrs attrs) {
   WorkspaceState& ws = *state->ws;
@@ -115,6 +119,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::R
                                        "' runs the " + protocol_name(ws.config.protocol) +
                                        " protocol, not the " + protocol_name(kProtocol) + " one");
   }
+  // One stream per workspace and GPU keeps its calls one at a time and in order: an overlapped
+  // workspace takes only starts, any other only whole calls.
+  if (ws.config.overlap != (kPhase == Phase::kStart)) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_cpgrad: workspace '") + ws.config.name +
+        (ws.config.overlap ? "' runs its calls on its own stream (overlap=True): got a whole call"
+                           : "' was created without overlap=True: got the start of a pair"));
+  }
   Member* m = ws.member_for_device(device);
   if (m == nullptr) {
     return ffi::Error::InvalidArgument("jax_cpgrad: GPU " + std::to_string(device) +
@@ -127,8 +139,39 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::R
     return ffi::Error::InvalidArgument(invalid);
   }
   // Valid: from here on every rank takes the same steps, so the epochs stay in agreement.
-  return kProtocol == Protocol::kDevice ? enqueue_fused<kOp>(ws, *m, plan, t, stream)
-                                        : enqueue_stream_memops<kOp>(ws, *m, plan, t, stream);
+  const auto enqueue = [&](cudaStream_t s) {
+    return kProtocol == Protocol::kDevice ? enqueue_fused<kOp>(ws, *m, plan, t, s)
+                                          : enqueue_stream_memops<kOp>(ws, *m, plan, t, s);
+  };
+  if constexpr (kPhase == Phase::kWhole) {
+    return enqueue(stream);
+  } else {
+    CallStream& own = *m->call_stream;
+    if (cudaError_t err = own.follow(stream); err != cudaSuccess) {
+      return launch_error(err, "the wait for the call's inputs");
+    }
+    if (ffi::Error err = enqueue(own.stream()); err.failure()) return err;
+    cudaError_t err = own.mark_started();
+    return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the call's end event");
+  }
+}
+
+// The done of a pair: XLA's stream waits for the start's work. Arguments: the start's results
+// (which place the done after the work tied to them) and inputs (kept alive until here), neither
+// read; result: a token, which releases the start's results (peer_transport.py). It
+// writes nothing: the results are the start's own buffers, which XLA is free to place anywhere
+// (a scan's stacked output, say) because it never has to move them between start and done.
+ffi::Error Done(cudaStream_t stream, int32_t device, CallState* state, ffi::RemainingArgs,
+                ffi::RemainingRets, CallAttrs) {
+  const WorkspaceState& ws = *state->ws;
+  Member* m = ws.member_for_device(device);
+  if (m == nullptr || m->call_stream == nullptr) {
+    return ffi::Error::InvalidArgument("jax_cpgrad_done: workspace '" + ws.config.name +
+                                       "' has no call stream on GPU " + std::to_string(device) +
+                                       " (create it with overlap=True)");
+  }
+  cudaError_t err = m->call_stream->join(stream);
+  return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the wait for the call");
 }
 
 }  // namespace
@@ -151,22 +194,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradInstantiate, jax_cpgrad::Instantiate,
       .Attrs<jax_cpgrad::CallAttrs>()                /* workspace_id, axis_size, seq_axis */
 
 // (The macro also static_asserts that each symbol really is an XLA FFI handler.)
+#define CPG_EXECUTE(op, protocol, phase)                                       \
+  (jax_cpgrad::Execute<jax_cpgrad::OpKind::op, jax_cpgrad::Protocol::protocol, \
+                       jax_cpgrad::Phase::phase>)
 // Stream-memop protocol: no command-buffer trait (its epochs are chosen on the host per call, and a
 // captured graph would replay stale epochs whose waits already pass).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpgradGradReturn,
-    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kStreamMemops>),
-    CPG_BIND_EXECUTE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpgradAllGather,
-    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kStreamMemops>),
-    CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturn, CPG_EXECUTE(kGradReturn, kStreamMemops, kWhole),
+                              CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGather, CPG_EXECUTE(kAllGather, kStreamMemops, kWhole),
+                              CPG_BIND_EXECUTE);
 // Device protocol: the kernel reads and advances its epoch itself, so a replayed graph is right.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpgradGradReturnDevice,
-    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kGradReturn, jax_cpgrad::Protocol::kDevice>),
-    CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpgradAllGatherDevice,
-    (jax_cpgrad::Execute<jax_cpgrad::OpKind::kAllGather, jax_cpgrad::Protocol::kDevice>),
-    CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturnDevice, CPG_EXECUTE(kGradReturn, kDevice, kWhole),
+                              CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGatherDevice, CPG_EXECUTE(kAllGather, kDevice, kWhole),
+                              CPG_BIND_EXECUTE, {xla::ffi::Traits::kCmdBufferCompatible});
+// Starts and the done of overlapped workspaces: never in a CUDA graph (a start forks work onto the
+// workspace's stream that only its done, another command, joins back).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturnStart,
+                              CPG_EXECUTE(kGradReturn, kStreamMemops, kStart), CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGatherStart,
+                              CPG_EXECUTE(kAllGather, kStreamMemops, kStart), CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturnDeviceStart,
+                              CPG_EXECUTE(kGradReturn, kDevice, kStart), CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradAllGatherDeviceStart,
+                              CPG_EXECUTE(kAllGather, kDevice, kStart), CPG_BIND_EXECUTE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradDone, jax_cpgrad::Done, CPG_BIND_EXECUTE);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "call_plan.h"
+#include "call_stream.h"
 #include "symmetric_region.h"
 
 namespace jax_cpgrad {
@@ -30,13 +31,17 @@ struct WorkspaceConfig {
   int32_t block_budget = 0;  // device protocol: the most blocks (SMs) one call occupies
   int32_t push_blocks = 0;   // device protocol: how many of them push
   bool abort_on_timeout = false;
+  bool overlap = false;  // calls run on the workspace's own stream, as start/done pairs
 };
 
 // One local GPU's part of a workspace.
 struct Member {
   Member(int device, int64_t rank, const WorkspaceConfig& config, uint32_t initial_epoch)
-      : region(device, rank, config.n, config.slot_bytes, initial_epoch), epoch(initial_epoch) {}
+      : region(device, rank, config.n, config.slot_bytes, initial_epoch),
+        call_stream(config.overlap ? std::make_unique<CallStream>(device) : nullptr),
+        epoch(initial_epoch) {}
   SymmetricRegion region;
+  std::unique_ptr<CallStream> call_stream;  // overlap=True only
   std::atomic<uint32_t> epoch;  // stream-memop protocol: the last epoch issued (host-side)
   std::atomic<uint32_t> test_finish_delay_ns{0};        // test builds only: see CallPlan
   std::array<std::atomic<uint8_t>, 256> op_of_epoch{};  // for messages: op kind by epoch % 256

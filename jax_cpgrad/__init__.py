@@ -8,7 +8,7 @@ collectives.
 
 from ._native import HAS_CUDA
 from ._version import __version__ as __version__
-from .api import all_gather, grad_return, grad_return_reference
+from .api import all_gather, all_gather_overlapped, grad_return, grad_return_overlapped, grad_return_reference
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
 from .workspace import Workspace, workspace_bytes
 
@@ -16,8 +16,10 @@ __all__ = [
     "HAS_CUDA",
     "Workspace",
     "all_gather",
+    "all_gather_overlapped",
     "from_cp_layout",
     "grad_return",
+    "grad_return_overlapped",
     "grad_return_reference",
     "layout_order",
     "local_chunks",

@@ -26,6 +26,7 @@ class NativeWorkspace:
         block_budget: int,
         push_blocks: int,
         abort_on_timeout: bool,
+        overlap: bool,
         local_members: list[tuple[int, int]],
     ) -> None: ...
     @property

@@ -31,13 +31,23 @@ TARGETS = {
     ("grad_return", "device"): ("jax_cpgrad_grad_return_device", False),
     ("all_gather", "device"): ("jax_cpgrad_all_gather_device", False),
 }
+# A workspace with overlap=True takes each call as a start (same side effects as the whole call)
+# and a done. The done has side effects: dropping it would let XLA free the start's inputs while
+# the workspace's stream may still read them.
+START_TARGETS = {key: (f"{target}_start", side_effect) for key, (target, side_effect) in TARGETS.items()}
+DONE_TARGET = "jax_cpgrad_done"
+
+
+def _handler_name(target: str) -> str:
+    """The compiled module's name for an FFI target (its handlers() key)."""
+    return target.removeprefix("jax_cpgrad_")
+
 
 if HAS_CUDA:
     jax.ffi.register_ffi_type("jax_cpgrad_call_state", ext.state_type(), platform="CUDA")
     _stages = ext.handlers()
-    for (_op, _protocol), (_target, _) in TARGETS.items():
-        _name = _op if _protocol == "memop" else f"{_op}_device"
-        jax.ffi.register_ffi_target(_target, _stages[_name], platform="CUDA")
+    for _target, _ in [*TARGETS.values(), *START_TARGETS.values(), (DONE_TARGET, True)]:
+        jax.ffi.register_ffi_target(_target, _stages[_handler_name(_target)], platform="CUDA")
 
 
 def require_cuda(what: str) -> None:

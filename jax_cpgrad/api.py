@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import peer_transport
 from ._native import MAX_TENSORS
 from .layout import chunk_geometry, normalize_seq_axis
 from .peer_transport import all_gather_peer, grad_return_peer
@@ -127,6 +128,81 @@ def _linear_pair(forward, transpose):
 
 _grad_return = _linear_pair(_grad_return_impl, _all_gather_impl)
 _all_gather = _linear_pair(_all_gather_impl, _grad_return_impl)
+
+
+# Work placed beside a call in flight (overlap=True): a custom-VJP op over (the call's arrays,
+# the work's inputs) whose backward places the work's VJP beside the transposed call.
+
+
+def _overlapped_pair(op: str, transpose_op: str):
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+    def run(fn, axis_name, seq, spec, xs, args):
+        n = jax.lax.axis_size(axis_name)
+        outs, y, _ = peer_transport.beside(op, xs, seq, n, spec, lambda a: (fn(*a), None), args)
+        return outs, y
+
+    def fwd(fn, axis_name, seq, spec, xs, args):
+        n = jax.lax.axis_size(axis_name)
+        outs, y, fn_vjp = peer_transport.beside(op, xs, seq, n, spec, lambda a: jax.vjp(fn, *a), args)
+        return (outs, y), fn_vjp
+
+    def bwd(fn, axis_name, seq, spec, fn_vjp, cts):
+        n = jax.lax.axis_size(axis_name)
+        ct_outs, ct_y = cts
+        ct_xs, ct_args, _ = peer_transport.beside(
+            transpose_op, tuple(ct_outs), seq, n, spec, lambda c: (fn_vjp(c), None), ct_y
+        )
+        return ct_xs, ct_args
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+_OVERLAPPED = {
+    "grad_return": (_grad_return, _overlapped_pair("grad_return", "all_gather")),
+    "all_gather": (_all_gather, _overlapped_pair("all_gather", "grad_return")),
+}
+
+
+def _with_work_beside(op: str, arrays, fn, args, axis_name, seq_axis, workspace, *, global_: bool):
+    """(op's result, fn(*args)), fn's work placed while the call is in flight where that can be."""
+    if not callable(fn):
+        raise ValueError(f"jax_cpgrad.{op}_overlapped: fn must be callable, got {type(fn).__name__}")
+    xs, rebuild, seq, _, spec = _prepare(arrays, axis_name, seq_axis, workspace, op, global_=global_)
+    plain, overlapped = _OVERLAPPED[op]
+    if spec is None or not spec.overlap:
+        # XLA's collectives are asynchronous already (XLA schedules around them); a workspace
+        # without overlap=True runs each call on XLA's stream, where nothing can run beside it.
+        return rebuild(plain(xs, axis_name, seq, spec)), fn(*args)
+    # Values fn closes over become explicit inputs, so that they get their cotangents.
+    closed, consts = jax.closure_convert(fn, *args)
+    outs, y = overlapped(closed, axis_name, seq, spec, xs, (*args, *consts))
+    return rebuild(outs), y
+
+
+def grad_return_overlapped(grads, fn, *args, axis_name: str, seq_axis: int = 1, workspace=None):
+    """``(grad_return(grads, ...), fn(*args))``, with ``fn``'s work run while the return is in flight.
+
+    With a workspace created with ``overlap=True`` the return runs on the workspace's own stream
+    and ``fn(*args)`` on XLA's, between the call's start and its done (placed there by data
+    dependencies), so the two overlap; in the backward pass ``fn``'s VJP runs beside the
+    transposed call (an ``all_gather``) the same way. ``fn`` must not need the return's result.
+    With the XLA transport, or a workspace without ``overlap=True``, it is the plain pair of
+    calls (XLA schedules its own collectives asynchronously). Values ``fn`` closes over are
+    differentiated like ``args``.
+    """
+    return _with_work_beside("grad_return", grads, fn, args, axis_name, seq_axis, workspace, global_=True)
+
+
+def all_gather_overlapped(xs, fn, *args, axis_name: str, seq_axis: int = 1, workspace=None):
+    """``(all_gather(xs, ...), fn(*args))``, with ``fn``'s work run while the gather is in flight.
+
+    The forward pass of all-gather CP attention can compute the query projection while K and V
+    travel: ``(k_all, v_all), q = all_gather_overlapped((k, v), project_q, h, ...)``; its backward
+    then returns dK/dV (``grad_return``) while the query projection's VJP runs. See
+    :func:`grad_return_overlapped` for when the two really overlap.
+    """
+    return _with_work_beside("all_gather", xs, fn, args, axis_name, seq_axis, workspace, global_=False)
 
 
 def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):

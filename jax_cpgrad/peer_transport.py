@@ -1,10 +1,18 @@
-"""The peer transport: the CUDA FFI handlers, called on one of XLA's streams inside ``shard_map``."""
+"""The peer transport: the CUDA FFI handlers, called on one of XLA's streams inside ``shard_map``.
+
+A workspace made with ``overlap=True`` takes every call as a pair of custom calls (see
+``ffi/call_stream.h``): the start enqueues the whole call on the workspace's own stream, writing
+its results; the done makes XLA's stream wait for it. The done takes the start's inputs, so that
+XLA keeps them alive until then, and returns a token; the results go on only through a barrier
+with that token, so nothing reads them earlier. Whatever XLA runs between the two runs beside the
+transfer. :func:`beside` places given work there by data dependencies alone.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 
 from .spec import WorkspaceSpec
 
@@ -14,45 +22,94 @@ def _result_type(x, shape):
     return jax.typeof(x).update(shape=tuple(shape))
 
 
-# Where an overlapped call runs: XLA's collective stream, which it schedules like its own NCCL
-# collectives (an async start/done pair with independent work placed between them). The handler
-# is given that stream; XLA joins it back to the compute stream before the results are used and
-# keeps the inputs alive until then.
-OVERLAP_STREAM = "gpu_stream:collective"
+def _out_len(op: str, xs: tuple, seq_axis: int, n: int) -> int:
+    length = xs[0].shape[seq_axis]
+    return length // n if op == "grad_return" else length * n
 
 
-def _call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: WorkspaceSpec):
-    if spec.overlap:
-        on_own_stream = compute_on(compute_type=OVERLAP_STREAM, out_memory_spaces=jax.memory.Space.Device)(
-            lambda *ys: _ffi_call(op, ys, out_len, seq_axis, n, spec)
-        )
-        return tuple(on_own_stream(*xs))
-    return _ffi_call(op, xs, out_len, seq_axis, n, spec)
-
-
-def _ffi_call(op: str, xs: tuple, out_len: int, seq_axis: int, n: int, spec: WorkspaceSpec):
-    target, side_effect = spec.target(op)
-    out_shape = xs[0].shape[:seq_axis] + (out_len,) + xs[0].shape[seq_axis + 1 :]
+def _ffi_call(target: str, side_effect: bool, operands: tuple, results: tuple, n, seq_axis, spec, **kw):
     call = jax.ffi.ffi_call(
         target,
-        tuple(_result_type(x, out_shape) for x in xs),
+        results,
         has_side_effect=side_effect,
         # vmap adds leading axes; the handler counts seq_axis from the back, so it still holds.
         vmap_method="broadcast_all",
+        **kw,
     )
     return tuple(
         call(
-            *xs,
+            *operands,
             workspace_id=np.int64(spec.id),
             axis_size=np.int64(n),
-            seq_axis_from_end=np.int64(xs[0].ndim - seq_axis),
+            seq_axis_from_end=np.int64(operands[0].ndim - seq_axis),
         )
     )
 
 
+def _result_types(op: str, xs: tuple, seq_axis: int, n: int) -> tuple:
+    out_shape = xs[0].shape[:seq_axis] + (_out_len(op, xs, seq_axis, n),) + xs[0].shape[seq_axis + 1 :]
+    return tuple(_result_type(x, out_shape) for x in xs)
+
+
+def start(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
+    """The start of an overlapped call: its results, not to be read before :func:`done`."""
+    target, side_effect = spec.start_target(op)
+    return _ffi_call(target, side_effect, xs, _result_types(op, xs, seq_axis, n), n, seq_axis, spec)
+
+
+def done(pending: tuple, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
+    """The results of the call that :func:`start` began on ``xs``: ``pending``, released by the
+    done's token. (The done does not return the results itself, aliased or copied: XLA places a
+    custom call's results where it likes, e.g. straight into a scan's stacked output, and would
+    copy aliased ones there before the done, unfinished; a copy would cost an HBM pass.)"""
+    token_type = jax.typeof(xs[0]).update(shape=(1,), dtype=jnp.int32)
+    # The start's results as operands place the done after whatever they were tied to (the work
+    # beside); it does not read them. Side effects: XLA must never drop the done, or the
+    # workspace's stream could still write the results after XLA has reused their memory.
+    (token,) = _ffi_call(spec.done_target, True, (*pending, *xs), (token_type,), n, seq_axis, spec)
+    results, _ = jax.lax.optimization_barrier((pending, token))
+    return tuple(results)
+
+
+def _tieable(leaf) -> bool:
+    return hasattr(leaf, "dtype") and leaf.dtype != jax.dtypes.float0
+
+
+def tie(pending: tuple, values):
+    """(pending, values), each available only once both are: an order XLA must keep."""
+    leaves, tree = jax.tree.flatten(values)
+    picked = [i for i, leaf in enumerate(leaves) if _tieable(leaf)]
+    pending, chosen = jax.lax.optimization_barrier((pending, [leaves[i] for i in picked]))
+    for i, leaf in zip(picked, chosen, strict=True):
+        leaves[i] = leaf
+    return pending, jax.tree.unflatten(tree, leaves)
+
+
+def beside(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec, work, inputs):
+    """op's results, and ``work(inputs)`` run while the call is in flight (overlap=True).
+
+    ``work`` returns (value, extra): the done waits for ``value`` (so the work is placed between
+    start and done), and ``value`` comes back through the same tie: XLA drops a barrier's
+    outputs that nothing uses, and with them the order. ``extra`` passes through (e.g. a VJP
+    function).
+    """
+    pending = start(op, xs, seq_axis, n, spec)
+    pending, inputs = tie(pending, inputs)  # the work cannot begin before the start
+    value, extra = work(inputs)
+    pending, value = tie(pending, value)  # nor the done come before the work
+    return done(pending, xs, seq_axis, n, spec), value, extra
+
+
+def _call(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
+    if spec.overlap:  # a pair with nothing between: the call stays on the workspace's stream
+        return beside(op, xs, seq_axis, n, spec, lambda _: ((), None), ())[0]
+    target, side_effect = spec.target(op)
+    return _ffi_call(target, side_effect, xs, _result_types(op, xs, seq_axis, n), n, seq_axis, spec)
+
+
 def grad_return_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
-    return _call("grad_return", xs, xs[0].shape[seq_axis] // n, seq_axis, n, spec)
+    return _call("grad_return", xs, seq_axis, n, spec)
 
 
 def all_gather_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
-    return _call("all_gather", xs, xs[0].shape[seq_axis] * n, seq_axis, n, spec)
+    return _call("all_gather", xs, seq_axis, n, spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._native import TARGETS
+from ._native import DONE_TARGET, START_TARGETS, TARGETS
 
 PROTOCOLS = ("device", "memop")
 
@@ -19,8 +19,8 @@ class WorkspaceSpec:
     """id: the native workspace's id (an attribute of every call); name: for messages; axis_name
     and n: the mesh axis and its size; nbytes: the most bytes one call moves per device, in local
     shapes; protocol: "device" (one fused kernel, device-resident epochs, CUDA-graph capturable)
-    or "memop" (stream memory operations; for ranks that share a GPU); overlap: calls run on XLA's
-    collective stream instead of its compute stream (see Workspace)."""
+    or "memop" (stream memory operations; for ranks that share a GPU); overlap: every call runs on
+    the workspace's own stream, as a start/done pair (see Workspace)."""
 
     id: int
     name: str
@@ -37,8 +37,14 @@ class WorkspaceSpec:
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
 
     def target(self, op: str) -> tuple[str, bool]:
-        """(FFI target name, has_side_effect) of ``op`` ("grad_return" or "all_gather")."""
+        """(FFI target name, has_side_effect) of a whole ``op`` ("grad_return" or "all_gather")."""
         return TARGETS[(op, self.protocol)]
+
+    def start_target(self, op: str) -> tuple[str, bool]:
+        """(FFI target name, has_side_effect) of the start of ``op`` (overlap=True)."""
+        return START_TARGETS[(op, self.protocol)]
+
+    done_target = DONE_TARGET
 
     def check_call(self, axis_name: str, n: int, nbytes: int, op: str) -> None:
         """ValueError at trace time for a call this workspace cannot serve."""

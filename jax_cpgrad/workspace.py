@@ -104,11 +104,13 @@ class Workspace:
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
         raises) or ``"abort"`` (the process aborts after printing the message, for schedulers
         that restart failed jobs).
-      overlap: experimental. Each call becomes an async pair on XLA's collective stream
-        (``compute_on("gpu_stream:collective")``) instead of a call on its compute stream, so that
-        XLA may schedule independent work beside it, as it does beside its NCCL collectives. On
-        jax 0.11.2 XLA schedules the pair back to back, so nothing overlaps yet (README,
-        Results). It relies on XLA running a workspace's calls one at a time; off by default.
+      overlap: run every call on a stream of the workspace's own, as a start/done pair of custom
+        calls, so that work placed between them runs beside the transfer:
+        :func:`jax_cpgrad.all_gather_overlapped` and :func:`jax_cpgrad.grad_return_overlapped`
+        place given work there (and its VJP beside the transposed call). Plain calls on such a
+        workspace are a start directly followed by its done. Pairs are never recorded into CUDA
+        graphs (XLA splits its graphs around them). Off by default: that it pays has not been
+        measured on GPUs with their own links yet (README, Results).
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class Workspace:
                 budget,
                 push_blocks,
                 on_timeout == "abort",
+                overlap,
                 [(d.local_hardware_id, groups[d][0]) for d in self._local],
             )
         except Exception as err:

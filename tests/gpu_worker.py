@@ -4,7 +4,8 @@
     python tests/gpu_worker.py correctness          # one process, every visible GPU
 
 JAX_CPGRAD_TEST_PROTOCOL (auto, device, memop) picks the workspaces' protocol;
-JAX_CPGRAD_TEST_OVERLAP=1 creates them with overlap=True (calls on XLA's collective stream). Prints one line
+JAX_CPGRAD_TEST_OVERLAP=1 creates them with overlap=True (every call a start/done pair on the workspace's
+own stream). Prints one line
 per scenario: RESULT {"scenario": ..., "ok": bool, "checks": {condition: bool}, ...}; ok is
 whether every named check held. Every check compares against a numpy oracle computed in this
 process from seeded per-rank data.
@@ -25,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import hlo_schedule  # noqa: E402
 import jax_cpgrad as cpg  # noqa: E402
 from jax_cpgrad import _testing, launch  # noqa: E402
 from oracle import DTYPES, all_gather_oracle, bits, grad_return_oracle, random_array  # noqa: E402
@@ -293,7 +295,6 @@ def _command_buffer_dump(module_part: str):
     """From XLA's dump (--xla_dump_to): does the module's thunk sequence after XLA's thunk passes
     hold a command buffer (kCommandBuffer) with our custom calls inside? None without a dump."""
     import glob
-    import re
 
     flags = os.environ.get("XLA_FLAGS", "")
     match = re.search(r"--xla_dump_to=(\S+)", flags)
@@ -693,59 +694,68 @@ def dead_peer(mesh, n):
     )
 
 
-def _computations(hlo_text: str) -> dict[str, str]:
-    """{name: body} of every computation in a compiled module's text."""
-    out, name, body = {}, None, []
-    for line in hlo_text.splitlines():
-        if name is None:
-            m = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
-            if m:
-                name, body = m.group(1), []
-        elif line == "}":
-            out[name], name = "\n".join(body), None
-        else:
-            body.append(line)
-    return out
-
-
-def _async_pairs_running(hlo_text: str, target: str) -> list[str]:
-    """The async `call-start`s whose called computation holds a custom call to `target`."""
-    bodies = _computations(hlo_text)
-    starts = re.findall(r"= .* call-start\(.*?\), to_apply=%([\w.\-]+)", hlo_text)
-    return [c for c in starts if f'custom_call_target="{target}"' in bodies.get(c, "")]
-
-
 def overlap(mesh, n):
-    """Workspace(overlap=True): XLA compiles the call into an async pair (a call-start whose
-    computation holds our custom call), in a program with independent work (matmuls whose
-    temporaries could take the inputs' memory if XLA freed it early, and which XLA may place
-    beside the call); 40 steps with changing data, every result bitwise right."""
-    shape, seq = (1, 2048 * n, 2, 128), 1
-    base = _integer_data(n, shape, 13)
-    w0 = np.tile(np.eye(512, dtype=np.float32)[None], (n, 1, 1)) * 0.5
-    failures = []
+    """Workspace(overlap=True): all_gather_overlapped places a projection (matmuls) between the
+    gather's start and done, and its VJP between the dK/dV return's start and done; the compiled
+    schedule has them there. 40 steps with changing data: the gathered K/V and the returned dK/dV
+    bitwise right, the projection's values and gradients equal to the same step on a workspace
+    without overlap (same kernels, no pairs)."""
+    local, seq = (1, 256 * n, 2, 128), 1
+    glob = (1, 256 * n * n, 2, 128)
+    k0, v0 = _integer_data(n, local, 21), _integer_data(n, local, 22)
+    ck, cv = _integer_data(n, glob, 23), _integer_data(n, glob, 24)
+    rng = np.random.default_rng(25)
+    h = rng.standard_normal((n, 256, 256)).astype(np.float32)
+    w = (rng.standard_normal((n, 256, 256)) / 16).astype(np.float32)
+    # float32 at full precision: XLA's default for float32 matmuls on GPUs is TF32, whose
+    # results depend on the cuBLAS algorithm each compiled program picks.
+    dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+    project = lambda h, w: dot(jnp.tanh(dot(h, w)), w)
 
-    def body(x, w, offset):
-        y = x * 2.0 + offset
-        r = cpg.grad_return(y, axis_name="cp", seq_axis=seq, workspace=ws)
-        for _ in range(6):  # independent of the call: XLA may place it between start and done
-            w = jnp.tanh(w @ w + 0.25)
-        return r, w
+    def make_body(ws):
+        def body(k, v, h, w, ck, cv, offset):
+            f = lambda k, v, h, w: cpg.all_gather_overlapped(
+                (k, v), project, h, w, axis_name="cp", seq_axis=seq, workspace=ws
+            )
+            ((ka, va), q), pull = jax.vjp(f, k + offset, v, h, w)
+            dk, dv, dh, dw = pull(((ck, cv), jnp.ones_like(q)))
+            return ka, va, q, dk, dv, dh, dw
 
-    with workspace(mesh, base[0].nbytes // n, name="overlap", overlap=True) as ws:
-        args = (place(mesh, base), place(mesh, w0), place(mesh, np.zeros((n,), np.float32)))
-        compiled_text = spmd_jit(mesh, body).lower(*args).compile().as_text()
-        run = spmd(mesh, body)
-        for step in range(40):
-            got, _ = run(base, w0, np.full((n,), step, np.float32))
-            want = grad_return_oracle(list(base * 2.0 + step), n, seq)
-            _equal_bits(got, want, f"step {step}", failures)
-    target = "jax_cpgrad_grad_return" + ("_device" if ws.protocol == "device" else "")
-    pairs = _async_pairs_running(compiled_text, target)
+        return body
+
+    failures, close = [], []
+    with workspace(mesh, k0[0].nbytes * 2, name="overlap", overlap=True) as ws:
+        with workspace(mesh, k0[0].nbytes * 2, name="plain", overlap=False) as plain_ws:
+            args = [place(mesh, a) for a in (k0, v0, h, w, ck, cv, np.zeros((n,), np.float32))]
+            compiled_text = spmd_jit(mesh, make_body(ws)).lower(*args).compile().as_text()
+            run, run_plain = spmd(mesh, make_body(ws)), spmd(mesh, make_body(plain_ws))
+            want_dk, want_dv = grad_return_oracle(list(ck), n, seq), grad_return_oracle(list(cv), n, seq)
+            for step in range(40):
+                offset = np.full((n,), step, np.float32)
+                ka, va, q, dk, dv, dh, dw = run(k0, v0, h, w, ck, cv, offset)
+                _equal_bits(ka, [all_gather_oracle(list(k0 + step), n, seq)] * n, f"K step {step}", failures)
+                _equal_bits(va, [all_gather_oracle(list(v0), n, seq)] * n, f"V step {step}", failures)
+                _equal_bits(dk, want_dk, f"dK step {step}", failures)
+                _equal_bits(dv, want_dv, f"dV step {step}", failures)
+                if step % 10 == 0:
+                    ref = run_plain(k0, v0, h, w, ck, cv, offset)
+                    for name, got, want in zip(
+                        ("q", "dh", "dw"), (q, dh, dw), ref[2:3] + ref[5:], strict=True
+                    ):
+                        for r in got:
+                            close.append(np.allclose(got[r], want[r], rtol=1e-4, atol=1e-4))
+                            if not close[-1]:
+                                worst = float(np.max(np.abs(got[r] - want[r])))
+                                failures.append(f"{name} step {step}: {worst:.3g} off the plain workspace's")
+    pairs = hlo_schedule.matmuls_between_pairs(compiled_text)
     return result(
-        {"every_step_bitwise_right": not failures, "compiled_as_an_async_pair": bool(pairs)},
+        {
+            "every_step_bitwise_right": not [f for f in failures if "plain workspace" not in f],
+            "projection_equals_the_plain_workspaces": bool(close) and all(close),
+            "two_pairs_each_with_matmuls_between": len(pairs) == 2 and all(m > 0 for _, m in pairs),
+        },
         failures=failures[:10],
-        async_computations=pairs,
+        pairs=pairs,
         protocol=ws.protocol,
     )
 

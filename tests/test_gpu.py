@@ -194,52 +194,38 @@ def _run_in_one_process(scenarios, timeout_s, **env):
         assert found[scenario]["ok"], f"{failed or 'error'}: {json.dumps(found[scenario])[:3000]}"
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
 @pytest.mark.parametrize("protocol", ["device", "memop"])
-def test_single_process_multi_gpu(gpu, protocol):
-    """One process driving every visible GPU: raw peer pointers and peer access, no IPC."""
+def test_single_process_multi_gpu(gpu, protocol, overlap):
+    """One process driving every visible GPU: raw peer pointers and peer access, no IPC; with
+    overlap, every call a pair on the workspaces' streams (one per GPU)."""
     if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
         pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
-    scenarios = CORE + (["graphs"] if protocol == "device" else [])
-    _run_in_one_process(scenarios, timeout_s=900, JAX_CPGRAD_TEST_PROTOCOL=protocol)
+    if overlap == "1":
+        scenarios = ["overlap", *CORE]
+    else:
+        scenarios = CORE + (["graphs"] if protocol == "device" else [])
+    _run_in_one_process(
+        scenarios, timeout_s=900, JAX_CPGRAD_TEST_PROTOCOL=protocol, JAX_CPGRAD_TEST_OVERLAP=overlap
+    )
 
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])
-def test_overlapped_calls_on_the_collective_stream(gpu, protocol):
-    """Workspace(overlap=True), one process per GPU: the core scenarios with every call on XLA's
-    collective stream, plus async pairs overlapped with independent work (and, for the device
-    protocol, CUDA graphs)."""
+def test_overlapped_workspaces_run_every_call_as_a_pair_on_their_own_stream(gpu, protocol):
+    """Workspace(overlap=True), one process per GPU: the core scenarios with every call a
+    start/done pair on the workspace's stream, and work placed between the two (the schedule
+    checked, every result right). No CUDA graphs: the pairs stay out of them by design."""
     _need_own_gpus(2, protocol)
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
-    scenarios = ["overlap", *CORE] + (["graphs"] if protocol == "device" else [])
+    scenarios = ["overlap", *CORE]
     _assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), 2, scenarios)
 
 
-def test_one_gpu_in_process_n1(gpu):
-    """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer."""
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_one_gpu_in_process_n1(gpu, overlap):
+    """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer; with
+    overlap, every call a pair on the workspace's stream and work placed between start and done."""
     _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
-    _run_in_one_process(["correctness", "wrap", "errors"], timeout_s=600, CUDA_VISIBLE_DEVICES="0")
-
-
-def test_the_overlap_scenarios_async_pair_check_can_fail():
-    """The check behind `compiled_as_an_async_pair` (runs without a GPU): it finds our call only
-    inside a computation that a call-start runs."""
-    sys.path.insert(0, os.path.dirname(WORKER))
-    import gpu_worker
-
-    call = 'custom_call_target="jax_cpgrad_grad_return_device"'
-    module = "\n".join(
-        [
-            "%wrapped (p: f32[4]) -> f32[4] {",
-            f"  ROOT %c = f32[4] custom-call(%p), {call}",
-            "}",
-            "",
-            "ENTRY %main (x: f32[4]) -> f32[4] {",
-            "  %call-start = ((f32[4]), f32[4]) call-start(%x), to_apply=%wrapped",
-            "  ROOT %call-done = f32[4] call-done(%call-start)",
-            "}",
-        ]
-    )
-    assert gpu_worker._async_pairs_running(module, "jax_cpgrad_grad_return_device") == ["wrapped"]
-    plain = f"ENTRY %main (x: f32[4]) -> f32[4] {{\n  ROOT %c = f32[4] custom-call(%x), {call}\n}}"
-    assert gpu_worker._async_pairs_running(plain, "jax_cpgrad_grad_return_device") == []
+    scenarios = ["correctness", "wrap", "errors"] + (["overlap"] if overlap == "1" else [])
+    _run_in_one_process(scenarios, timeout_s=600, CUDA_VISIBLE_DEVICES="0", JAX_CPGRAD_TEST_OVERLAP=overlap)

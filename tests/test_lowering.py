@@ -52,13 +52,29 @@ def test_only_the_device_protocol_handlers_are_command_buffer_compatible():
 
     compatible = {
         name: bool(ext.handler_traits(name) & ext.COMMAND_BUFFER_COMPATIBLE)
-        for name in ("grad_return", "all_gather", "grad_return_device", "all_gather_device")
+        for name in (
+            "grad_return",
+            "all_gather",
+            "grad_return_device",
+            "all_gather_device",
+            "grad_return_start",
+            "all_gather_start",
+            "grad_return_device_start",
+            "all_gather_device_start",
+            "done",
+        )
     }
+    # A pair forks work onto the workspace's stream and joins it in another command: never in a graph.
     assert compatible == {
         "grad_return": False,
         "all_gather": False,
         "grad_return_device": True,
         "all_gather_device": True,
+        "grad_return_start": False,
+        "all_gather_start": False,
+        "grad_return_device_start": False,
+        "all_gather_device_start": False,
+        "done": False,
     }
 
 
@@ -91,11 +107,12 @@ def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_bac
     assert "(tensor<5x16x3xf32>) -> tensor<5x4x3xf32>" in call, call
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_overlap_puts_each_call_alone_on_the_collective_stream_and_keeps_gradients(overlap):
-    """Workspace(overlap=True): every call (the backward's too) sits alone in a function that XLA
-    runs on its collective stream as an async pair; without it, no stream annotation at all."""
-    mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol="device", overlap=overlap)
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+def test_an_overlapped_workspace_takes_every_call_as_a_start_and_its_done(protocol, suffix):
+    """Workspace(overlap=True): a plain call (the backward's too) lowers to our start, with the
+    whole call's side effects, and our done, which takes the start's results and inputs as
+    operands and has results of its own (no aliasing); nothing goes to XLA's own streams."""
+    mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol=protocol, overlap=True)
 
     def loss(k, v):
         k_all, v_all = cpg.all_gather((k, v), axis_name="cp", seq_axis=1, workspace=ws)
@@ -104,14 +121,15 @@ def test_overlap_puts_each_call_alone_on_the_collective_stream_and_keeps_gradien
     f = spmd_jit(mesh, lambda k, v: jax.grad(loss, argnums=(0, 1))(k, v))
     x = place(mesh, np.zeros((4, 2, 16, 3), np.float32))
     text = _cuda_text(f, x, x)
-    annotated = [line for line in text.splitlines() if "_xla_stream_annotation" in line]
-    assert all('_xla_stream_annotation = "collective"' in line for line in annotated)
-    calls = [line for line in annotated if "func.call @compute_on" in line]
-    assert len(calls) == (2 if overlap else 0)  # the gather forward, the return backward
-    for target in ("@jax_cpgrad_all_gather_device(", "@jax_cpgrad_grad_return_device("):
-        assert text.count(target) == 1
-    if overlap:
-        # Each annotated function holds exactly one of our calls and nothing else of substance.
-        bodies = re.findall(r"func\.func private @compute_on\w*\(.*?\n  \}", text, re.S)
-        assert len(bodies) == 2
-        assert all(b.count("stablehlo.custom_call") == 1 for b in bodies)
+    calls = [line.strip() for line in text.splitlines() if "stablehlo.custom_call" in line]
+    targets = [re.search(r"@(\w+)\(", c).group(1) for c in calls]
+    assert targets == [f"jax_cpgrad_all_gather{suffix}_start", "jax_cpgrad_done"] + [
+        f"jax_cpgrad_grad_return{suffix}_start",
+        "jax_cpgrad_done",
+    ]
+    assert all(("has_side_effect = true" in c) == (protocol == "memop") for c in calls[::2])
+    for done in calls[1::2]:
+        # (2 start results, 2 start inputs) -> 2 results of its own, not aliased.
+        assert "has_side_effect = true" in done and "output_operand_aliases" not in done
+        assert re.search(r"@jax_cpgrad_done\(%\w+#0, %\w+#1, %\w+, %\w+\)", done), done
+    assert "_xla_stream_annotation" not in text

@@ -50,7 +50,7 @@ class NativeWorkspace {
   // local_members: (CUDA ordinal, CP rank) of each local device.
   NativeWorkspace(const std::string& name, int64_t n, int64_t nbytes, double timeout_s,
                   const std::string& protocol, int32_t block_budget, int32_t push_blocks,
-                  bool abort_on_timeout,
+                  bool abort_on_timeout, bool overlap,
                   const std::vector<std::tuple<int, int64_t>>& local_members) {
     if (n < 1 || n > kMaxRanks) throw std::invalid_argument("CP size out of range");
     if (nbytes < 1) throw std::invalid_argument("nbytes must be positive");
@@ -63,6 +63,7 @@ class NativeWorkspace {
     cfg.block_budget = block_budget;
     cfg.push_blocks = push_blocks;
     cfg.abort_on_timeout = abort_on_timeout;
+    cfg.overlap = overlap;
     driver_api();  // resolve the driver entry points now, not in the handler
     state_ = std::make_shared<WorkspaceState>(g_next_id++, std::move(cfg));
     for (const auto& [device, rank] : local_members) {
@@ -275,7 +276,12 @@ struct Target {
 constexpr Target kTargets[] = {{"grad_return", JaxCpgradGradReturn},
                                {"all_gather", JaxCpgradAllGather},
                                {"grad_return_device", JaxCpgradGradReturnDevice},
-                               {"all_gather_device", JaxCpgradAllGatherDevice}};
+                               {"all_gather_device", JaxCpgradAllGatherDevice},
+                               {"grad_return_start", JaxCpgradGradReturnStart},
+                               {"all_gather_start", JaxCpgradAllGatherStart},
+                               {"grad_return_device_start", JaxCpgradGradReturnDeviceStart},
+                               {"all_gather_device_start", JaxCpgradAllGatherDeviceStart},
+                               {"done", JaxCpgradDone}};
 
 nb::capsule capsule(const void* p) { return nb::capsule(const_cast<void*>(p)); }
 
@@ -284,10 +290,10 @@ nb::capsule capsule(const void* p) { return nb::capsule(const_cast<void*>(p)); }
 void bind_workspace(nb::module_& m) {
   nb::class_<NativeWorkspace>(m, "NativeWorkspace")
       .def(nb::init<const std::string&, int64_t, int64_t, double, const std::string&, int32_t,
-                    int32_t, bool, const std::vector<std::tuple<int, int64_t>>&>(),
+                    int32_t, bool, bool, const std::vector<std::tuple<int, int64_t>>&>(),
            nb::arg("name"), nb::arg("n"), nb::arg("nbytes"), nb::arg("timeout_s"),
            nb::arg("protocol"), nb::arg("block_budget"), nb::arg("push_blocks"),
-           nb::arg("abort_on_timeout"), nb::arg("local_members"))
+           nb::arg("abort_on_timeout"), nb::arg("overlap"), nb::arg("local_members"))
       .def_prop_ro("id", &NativeWorkspace::id)
       .def_prop_ro("bytes_per_device", &NativeWorkspace::bytes_per_device)
       .def_prop_ro("slot_bytes", &NativeWorkspace::slot_bytes)
