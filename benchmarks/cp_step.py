@@ -160,7 +160,9 @@ def rms_norm(x, scale):
 def forward_loss_sum(params, x, probes, cfg: Config, attend, gather, gathered_probes=()):
     """Sum of squares of the final hidden state of the given (local) tokens, float32.
 
-    gather(k, v) -> (k_all, v_all); attend(q, k, v, k_all, v_all) -> [B, s, H, D]. probes: per
+    gather(k, v, project_q, h) -> (k_all, v_all, project_q(h)): the query projection is the work
+    an overlapped workspace runs while K and V travel (and its VJP while dK/dV return);
+    attend(q, k, v, k_all, v_all) -> [B, s, H, D]. probes: per
     layer (pk, pv) zeros added to the local K and V after the projection (their gradient is dK/dV
     as the owner gets it), or empty. gathered_probes: the same for the gathered K and V (their
     gradient is what this rank hands to grad_return), or empty.
@@ -169,12 +171,13 @@ def forward_loss_sum(params, x, probes, cfg: Config, attend, gather, gathered_pr
     b, s, _ = x.shape
     for i, p in enumerate(params):
         h = rms_norm(x, p["norm1"])
-        q = (h @ p["wq"].astype(dt)).reshape(b, s, cfg.heads, cfg.head_dim)
         k = (h @ p["wk"].astype(dt)).reshape(b, s, cfg.kv_heads, cfg.head_dim)
         v = (h @ p["wv"].astype(dt)).reshape(b, s, cfg.kv_heads, cfg.head_dim)
         if probes:
             k, v = k + probes[i][0], v + probes[i][1]
-        k_all, v_all = gather(k, v)
+        wq = p["wq"]
+        project_q = lambda h, wq=wq: (h @ wq.astype(dt)).reshape(b, s, cfg.heads, cfg.head_dim)
+        k_all, v_all, q = gather(k, v, project_q, h)
         if gathered_probes:
             k_all, v_all = k_all + gathered_probes[i][0], v_all + gathered_probes[i][1]
         a = attend(q, k, v, k_all, v_all)
@@ -192,7 +195,7 @@ def reference_loss_and_grads(params, x, probes, cfg: Config):
     """The unsharded model (natural order, plain attention) on the default device:
     (mean loss, parameter grads, probe grads = dK/dV per layer)."""
     attend = lambda q, k, v, k_all, v_all: cpa.reference_attention(q, k_all, v_all)
-    gather = lambda k, v: (k, v)
+    gather = lambda k, v, project_q, h: (k, v, project_q(h))
 
     def mean_loss(p, pr):
         return forward_loss_sum(p, x, pr, cfg, attend, gather) / loss_count(cfg)
@@ -205,9 +208,18 @@ def make_gather(transport: str, n: int, workspace):
         # Same shapes, no communication: tile the local K/V to the global length. Its transpose
         # (autodiff) sums the N slices locally: the stand-in for grad_return.
         tile = lambda x: jnp.concatenate([x] * n, axis=1)
-        return lambda k, v: (tile(k), tile(v))
+        return lambda k, v, project_q, h: (tile(k), tile(v), project_q(h))
     ws = workspace if transport == "peer" else None
-    return lambda k, v: cpg.all_gather((k, v), axis_name=AXIS, seq_axis=1, workspace=ws)
+
+    def gather(k, v, project_q, h):
+        # With an overlapped workspace the projection runs while K/V travel; otherwise (and on the
+        # XLA transport, whose collectives XLA schedules itself) this is the gather, then q.
+        (k_all, v_all), q = cpg.all_gather_overlapped(
+            (k, v), project_q, h, axis_name=AXIS, seq_axis=1, workspace=ws
+        )
+        return k_all, v_all, q
+
+    return gather
 
 
 def make_step(cfg: Config, mesh, transport: str, workspace=None):
@@ -396,7 +408,7 @@ def _parse(argv):
         nargs="+",
         default=["auto"],
         help="peer transport workspace(s), one row each: <auto|device|memop>[:B[:S]][+overlap] (SM budget B, "
-        "push share S, calls on XLA's collective stream)",
+        "push share S, every call a start/done pair on the workspace's stream, the query projection between)",
     )
     p.add_argument(
         "--attention",

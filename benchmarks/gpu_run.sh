@@ -84,8 +84,9 @@ for s in "$@"; do
       e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 -m jax_cpgrad.launch -n "$gpus" --devices per-rank --timeout 530 \
         benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
-    tests*)  # tests, tests2, ...: each with its own STAGE_ARGS_<name> (e.g. -k to select)
-      stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs tests/test_gpu.py $(args_of "$s")
+    tests*)  # tests, tests2, ...: each with its own STAGE_ARGS_<name>, and STAGE_ENV_<name> (e.g.
+      # PYTEST_ADDOPTS=-k n1 or overlapped: a selection with spaces)
+      e=$(env_of "$s"); stage "$s" 560 env ${e:+"$e"} JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs tests/test_gpu.py $(args_of "$s")
       ;;
     cp_step*)  # cp_step, cp_step2, ...: each with its own STAGE_ARGS_<name> and STAGE_ENV_<name>
       e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")

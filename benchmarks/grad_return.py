@@ -94,7 +94,7 @@ def parse_args(argv=None):
         default=None,
         help="peer workspace protocols (default: device memop with a GPU per rank, memop when "
         "ranks share one GPU); device:B:S tunes the device protocol: B SMs, a share S of them pushing; "
-        "+overlap runs the calls on XLA's collective stream",
+        "+overlap runs every call as a start/done pair on the workspace's own stream",
     )
     p.add_argument("--calls", type=int, default=20, help="straight-line calls per jit (latency mode)")
     p.add_argument(

@@ -1,7 +1,8 @@
 """The benchmarks' names for peer-transport workspaces: "<protocol>[:B[:S]][+overlap]".
 
 protocol is "auto", "device" or "memop"; B the SM budget and S the push share of the device
-protocol; "+overlap" runs the calls on XLA's collective stream (Workspace(overlap=True)).
+protocol; "+overlap" runs every call as a start/done pair on the workspace's own stream
+(Workspace(overlap=True)).
 """
 
 from __future__ import annotations
