@@ -1,8 +1,7 @@
 #include "call_stream.h"
 
+#include <algorithm>
 #include <cstdio>
-#include <string>
-#include <vector>
 
 #include "cuda_check.h"
 
@@ -18,6 +17,7 @@ CallStream::CallStream(int device) : device_(device) {
     release();
     throw;
   }
+  started_calls_.reserve(kRemembered);
 }
 
 CallStream::~CallStream() { release(); }
@@ -38,19 +38,29 @@ void CallStream::release() {
   cudaSetDevice(previous);
 }
 
-cudaError_t CallStream::follow(cudaStream_t xla_stream) {
-  std::lock_guard lock(mu_);
+cudaError_t CallStream::follow(const Lock&, cudaStream_t xla_stream) {
   cudaError_t err = cudaEventRecord(inputs_ready_, xla_stream);
   return err != cudaSuccess ? err : cudaStreamWaitEvent(stream_, inputs_ready_, 0);
 }
 
-cudaError_t CallStream::mark_started() {
-  std::lock_guard lock(mu_);
+cudaError_t CallStream::mark_started(const Lock&, const CallBuffers& buffers) {
+  if (started_calls_.size() == kRemembered) started_calls_.erase(started_calls_.begin());
+  started_calls_.push_back(buffers);
   return cudaEventRecord(started_, stream_);
 }
 
-cudaError_t CallStream::join(cudaStream_t xla_stream) {
-  std::lock_guard lock(mu_);
+std::string CallStream::join(const Lock& lock, const CallBuffers& buffers,
+                             cudaStream_t xla_stream) {
+  // A done may run twice for one start (XLA clones custom calls), so the record stays.
+  if (std::find(started_calls_.begin(), started_calls_.end(), buffers) == started_calls_.end()) {
+    return "the done was not handed the buffers its start used (XLA copied the results or the "
+           "inputs between the two), so it cannot keep them safe";
+  }
+  cudaError_t err = join_unchecked(lock, xla_stream);
+  return err == cudaSuccess ? "" : cuda_error_text(err, "cudaStreamWaitEvent", __FILE__, __LINE__);
+}
+
+cudaError_t CallStream::join_unchecked(const Lock&, cudaStream_t xla_stream) {
   return cudaStreamWaitEvent(xla_stream, started_, 0);
 }
 

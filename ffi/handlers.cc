@@ -47,6 +47,17 @@ ffi::Error launch_error(cudaError_t err, const char* what) {
                               cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
+// A call's buffers as its start records them and its done checks them.
+CallBuffers call_buffers(const TensorPtrs& t, int64_t count) {
+  CallBuffers b;
+  b.count = count;
+  for (int64_t k = 0; k < count; ++k) {
+    b.results[k] = t.out[k];
+    b.inputs[k] = t.in[k];
+  }
+  return b;
+}
+
 // The stream-memop protocol: scatter, one batch of stream memory ops, accumulate or gather. The
 // epoch is the host's: the next one of this device.
 template <OpKind kOp>
@@ -147,21 +158,28 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::R
     return enqueue(stream);
   } else {
     CallStream& own = *m->call_stream;
-    if (cudaError_t err = own.follow(stream); err != cudaSuccess) {
+    const CallStream::Lock lock = own.hold();
+    if (cudaError_t err = own.follow(lock, stream); err != cudaSuccess) {
       return launch_error(err, "the wait for the call's inputs");
     }
-    if (ffi::Error err = enqueue(own.stream()); err.failure()) return err;
-    cudaError_t err = own.mark_started();
-    return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the call's end event");
+    ffi::Error enqueued = enqueue(own.stream());
+    cudaError_t marked = own.mark_started(lock, call_buffers(t, plan.tensors));
+    if (enqueued.failure() || marked != cudaSuccess) {
+      // XLA abandons the execution and reuses its buffers: not before what did reach our stream.
+      own.join_unchecked(lock, stream);
+      return enqueued.failure() ? std::move(enqueued) : launch_error(marked, "the call's event");
+    }
+    return ffi::Error::Success();
   }
 }
 
-// The done of a pair: XLA's stream waits for the start's work. Arguments: the start's results
-// (which place the done after the work tied to them) and inputs (kept alive until here), neither
-// read; result: a token, which releases the start's results (peer_transport.py). It
-// writes nothing: the results are the start's own buffers, which XLA is free to place anywhere
-// (a scan's stacked output, say) because it never has to move them between start and done.
-ffi::Error Done(cudaStream_t stream, int32_t device, CallState* state, ffi::RemainingArgs,
+// The done of a pair: checks that it was handed the start's results and inputs, the very buffers
+// (XLA keeps the inputs alive until here, and the results placed the done after the work tied to
+// them), and makes XLA's stream wait for the start's work; result: a token, which releases the
+// start's results (peer_transport.py). It writes nothing: the results are the start's own
+// buffers, which XLA is free to place anywhere (a scan's stacked output, say) because it never
+// has to move them between start and done.
+ffi::Error Done(cudaStream_t stream, int32_t device, CallState* state, ffi::RemainingArgs args,
                 ffi::RemainingRets, CallAttrs) {
   const WorkspaceState& ws = *state->ws;
   Member* m = ws.member_for_device(device);
@@ -170,8 +188,26 @@ ffi::Error Done(cudaStream_t stream, int32_t device, CallState* state, ffi::Rema
                                        "' has no call stream on GPU " + std::to_string(device) +
                                        " (create it with overlap=True)");
   }
-  cudaError_t err = m->call_stream->join(stream);
-  return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the wait for the call");
+  const size_t count = args.size() / 2;
+  if (count == 0 || count > static_cast<size_t>(kMaxTensors) || args.size() != 2 * count) {
+    return ffi::Error::InvalidArgument(
+        "jax_cpgrad_done: expected the start's results and inputs (2 x 1 to " +
+        std::to_string(kMaxTensors) + " arguments), got " + std::to_string(args.size()));
+  }
+  TensorPtrs t{};
+  for (size_t k = 0; k < count; ++k) {
+    auto result = args.get<ffi::AnyBuffer>(k);
+    auto input = args.get<ffi::AnyBuffer>(count + k);
+    if (!result || !input) return ffi::Error::InvalidArgument("jax_cpgrad_done: not a buffer");
+    t.out[k] = static_cast<char*>(result->untyped_data());
+    t.in[k] = static_cast<const char*>(input->untyped_data());
+  }
+  if (ws.test_skip_join.load(std::memory_order_relaxed)) return ffi::Error::Success();
+  CallStream& own = *m->call_stream;
+  const CallStream::Lock lock = own.hold();
+  std::string problem = own.join(lock, call_buffers(t, static_cast<int64_t>(count)), stream);
+  return problem.empty() ? ffi::Error::Success()
+                         : ffi::Error::Internal("jax_cpgrad_done: " + problem);
 }
 
 }  // namespace

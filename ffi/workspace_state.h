@@ -55,6 +55,9 @@ struct WorkspaceState {
   // Test builds only (JAX_CPGRAD_TEST_HOOKS): every call uses slot set 0, which removes the
   // write-after-read protection, so that the race test can show it then fails.
   std::atomic<bool> single_buffer{false};
+  // Test builds only: the dones of overlapped calls do not wait (the overlap test's negative
+  // control: results are then read before they are complete).
+  std::atomic<bool> test_skip_join{false};
 
   // Handlers hold it shared while they check `closed` and enqueue, the watchdog while it polls;
   // begin_close() and finish_close() hold it exclusively.

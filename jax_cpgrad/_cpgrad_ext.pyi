@@ -44,6 +44,7 @@ class NativeWorkspace:
     def status(self) -> dict[str, Any]: ...
     def test_set_epoch(self, epoch: int) -> None: ...  # test builds only
     def test_set_single_buffer(self, on: bool) -> None: ...  # test builds only
+    def test_set_skip_join(self, on: bool) -> None: ...  # test builds only
     def test_set_finish_delay(self, rank: int, ns: int) -> None: ...  # test builds only
 
 def peer_unreachable_reason(device: int, pci_bus_id: str) -> str: ...

@@ -31,10 +31,11 @@ TARGETS = {
     ("grad_return", "device"): ("jax_cpgrad_grad_return_device", False),
     ("all_gather", "device"): ("jax_cpgrad_all_gather_device", False),
 }
-# A workspace with overlap=True takes each call as a start (same side effects as the whole call)
-# and a done. The done has side effects: dropping it would let XLA free the start's inputs while
-# the workspace's stream may still read them.
-START_TARGETS = {key: (f"{target}_start", side_effect) for key, (target, side_effect) in TARGETS.items()}
+# A workspace with overlap=True takes each call as a start and a done, both with side effects. A
+# start without them would be recomputed by jax.checkpoint (remat keeps only effectful results),
+# and the copy would have no done; a dropped done would let XLA reuse the start's buffers while the
+# workspace's stream may still use them. (Neither enters CUDA graphs either way.)
+START_TARGETS = {key: (f"{target}_start", True) for key, (target, _) in TARGETS.items()}
 DONE_TARGET = "jax_cpgrad_done"
 
 

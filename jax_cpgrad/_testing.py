@@ -1,7 +1,7 @@
 """Test hooks, available only in test builds of the extension (JAX_CPGRAD_TEST_HOOKS=ON, what
 scripts/setup.sh builds); a production build has none of them.
 
-Both are collective and must run on every process right after the workspace is created, before
+They are collective and must run on every process right after the workspace is created, before
 any call on it.
 """
 
@@ -25,6 +25,13 @@ def remove_war_protection(ws) -> None:
     """Every call uses slot set 0: the write-after-read protection is gone (the race test's
     negative control shows that results then go wrong)."""
     _native(ws).test_set_single_buffer(True)
+
+
+def skip_done_waits(ws) -> None:
+    """The dones of an overlapped workspace's calls no longer make XLA's stream wait: the results
+    are read while the workspace's stream may still write them (the overlap test's negative
+    control shows that they then come out wrong)."""
+    _native(ws).test_set_skip_join(True)
 
 
 def delay_finishing(ws, rank: int, ns: int) -> None:

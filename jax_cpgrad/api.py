@@ -168,7 +168,9 @@ def _with_work_beside(op: str, arrays, fn, args, axis_name, seq_axis, workspace,
     """(op's result, fn(*args)), fn's work placed while the call is in flight where that can be."""
     if not callable(fn):
         raise ValueError(f"jax_cpgrad.{op}_overlapped: fn must be callable, got {type(fn).__name__}")
-    xs, rebuild, seq, _, spec = _prepare(arrays, axis_name, seq_axis, workspace, op, global_=global_)
+    xs, rebuild, seq, _, spec = _prepare(
+        arrays, axis_name, seq_axis, workspace, f"{op}_overlapped", global_=global_
+    )
     plain, overlapped = _OVERLAPPED[op]
     if spec is None or not spec.overlap:
         # XLA's collectives are asynchronous already (XLA schedules around them); a workspace

@@ -71,12 +71,16 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
     return n
 
 
-def _device_blocks(local_devices, sm_budget: int | None, push_share: float | None) -> tuple[int, int]:
+def _device_blocks(
+    local_devices, sm_budget: int | None, push_share: float | None, overlap: bool = False
+) -> tuple[int, int]:
     """(blocks, pushing blocks) of a device-protocol call on this process's GPUs: at most the SM
     budget and the GPU's SMs, one block per SM; push_share 1 means every block pushes, then
-    finishes."""
+    finishes. An overlapped workspace's calls run beside other kernels, so by default they take
+    half the SMs: kernels that wait for peers must all fit on the GPU together, or two of them
+    resident in a different order on two GPUs would wait for each other until the timeout."""
     sms = min((ext.multiprocessor_count(d.local_hardware_id) for d in local_devices), default=2)
-    budget = min(sm_budget or sms, sms)
+    budget = min(sm_budget or (max(2, sms // 2) if overlap else sms), sms)
     share = push_share or DEFAULT_PUSH_SHARE
     return budget, budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
 
@@ -97,8 +101,8 @@ class Workspace:
         with the epoch in device memory: the fastest, and XLA records it into CUDA graphs),
         ``"memop"`` (stream memory operations: for ranks that share one GPU), or ``"auto"``
         (device when every rank has its own GPU).
-      sm_budget: device protocol: the most SMs one call occupies (default: all of the GPU's);
-        a lower budget leaves SMs to kernels XLA runs beside it.
+      sm_budget: device protocol: the most SMs one call occupies (default: all of the GPU's, or half
+        with overlap=True); a lower budget leaves SMs to kernels XLA runs beside it.
       push_share: device protocol: the share of those SMs that push (the rest finish); 1: every
         block pushes its share, then finishes its share.
       on_timeout: ``"raise"`` (the call's outputs are NaN, the workspace fails, ``check()``
@@ -108,9 +112,12 @@ class Workspace:
         calls, so that work placed between them runs beside the transfer:
         :func:`jax_cpgrad.all_gather_overlapped` and :func:`jax_cpgrad.grad_return_overlapped`
         place given work there (and its VJP beside the transposed call). Plain calls on such a
-        workspace are a start directly followed by its done. Pairs are never recorded into CUDA
-        graphs (XLA splits its graphs around them). Off by default: that it pays has not been
-        measured on GPUs with their own links yet (README, Results).
+        workspace are a start and its done with nothing placed between on purpose. Pairs are
+        never recorded into CUDA graphs (XLA splits its graphs around them). The device protocol
+        then takes half the SMs unless ``sm_budget`` says otherwise; keep the budgets of
+        device-protocol calls that may run at once (this workspace's and another's, placed
+        between a start and its done) within the GPU's SMs. Off by default: that it pays has not
+        been measured on GPUs with their own links yet (README, Results).
     """
 
     def __init__(
@@ -154,7 +161,7 @@ class Workspace:
         ]
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
-        budget, push_blocks = _device_blocks(self._local, sm_budget, push_share)
+        budget, push_blocks = _device_blocks(self._local, sm_budget, push_share, overlap)
         try:
             native = ext.NativeWorkspace(
                 name,

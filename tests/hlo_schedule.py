@@ -1,59 +1,125 @@
 """Reading a compiled (scheduled) XLA module's text: what runs between each start of an
-overlapped jax_cpgrad call and its done. The entry computation's instruction order is the
-schedule; work hidden in called computations (fusions, command buffers) counts where it is
-called."""
+overlapped jax_cpgrad call and its done, and whether anything reads a start's results before its
+done. Each computation's instruction order is its schedule; work hidden in called computations
+(fusions, command buffers) counts where it is called. A done belongs to the start whose results
+reach it (through get-tuple-element, tuple, bitcast and barrier, which only forward buffers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
-_MATMUL = re.compile(r"\bdot\(|__cublas|gemm|matmul", re.I)
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(.*)$")
 _CALLED = re.compile(r"(?:to_apply|calls)=(%[\w.\-]+(?:, %[\w.\-]+)*)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_MATMUL_TARGET = re.compile(r"cublas|gemm|matmul", re.I)
+_FORWARDING = {"get-tuple-element", "tuple", "bitcast", "opt-barrier"}
 
 
-def computations(hlo_text: str) -> dict[str, str]:
-    """{name: body} of every computation in a module's text, plus "ENTRY" for the entry one."""
-    out, name, body, entry = {}, None, [], None
+@dataclasses.dataclass
+class Instr:
+    name: str
+    opcode: str
+    operands: list[str]
+    rest: str  # attributes after the operand list
+
+    @property
+    def target(self) -> str | None:
+        m = _TARGET.search(self.rest)
+        return m.group(1) if m else None
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """{name: instruction lines} of every computation in a module's text, "ENTRY" for the entry."""
+    out, name, body = {}, None, []
     for line in hlo_text.splitlines():
         if name is None:
             m = re.match(r"(ENTRY )?%(\S+) .*\{$", line)
             if m:
                 name, body = m.group(2), []
-                entry = name if m.group(1) else entry
+                if m.group(1):
+                    out["ENTRY"] = body
         elif line == "}":
-            out[name], name = "\n".join(body), None
+            out[name], name = body, None
         else:
             body.append(line)
-    if entry is not None:
-        out["ENTRY"] = out[entry]
     return out
 
 
-def _has_matmul(line: str, bodies: dict[str, str], seen: set[str]) -> bool:
-    if _MATMUL.search(line):
+def _parse(line: str) -> Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    name, _, opcode, operands, rest = m.groups()
+    return Instr(name, opcode, re.findall(r"%([\w.\-]+)", operands), rest.split(", metadata=")[0])
+
+
+def _does_matmul(ins: Instr, bodies: dict[str, list[str]], seen: set[str]) -> bool:
+    if ins.opcode == "dot" or (ins.target and _MATMUL_TARGET.search(ins.target)):
         return True
-    for group in _CALLED.findall(line):
+    for group in _CALLED.findall(ins.rest):
         for callee in (c.strip().lstrip("%") for c in group.split(",")):
-            if callee not in seen and callee in bodies:
+            if callee in bodies and callee not in seen:
                 seen.add(callee)
-                if any(_has_matmul(inner, bodies, seen) for inner in bodies[callee].splitlines()):
+                inner = (_parse(line) for line in bodies[callee])
+                if any(i is not None and _does_matmul(i, bodies, seen) for i in inner):
                     return True
     return False
 
 
-def matmuls_between_pairs(hlo_text: str) -> list[tuple[str, int]]:
-    """For each start of an overlapped call in the entry's schedule, in order: (its target, how
-    many instructions doing matrix multiplies ran before the done that follows it)."""
+@dataclasses.dataclass
+class Pair:
+    target: str
+    start: int  # positions in the computation's schedule
+    done: int | None = None
+    matmuls_between: int = 0
+    early_readers: list[str] = dataclasses.field(default_factory=list)  # read results before the done
+
+
+def pairs(hlo_text: str) -> list[Pair]:
+    """Every overlapped call's start in the module, schedule order within each computation."""
     bodies = computations(hlo_text)
-    pairs, open_starts = [], []
-    for line in bodies.get("ENTRY", "").splitlines():
-        target = re.search(r'custom_call_target="(jax_cpgrad_\w+)"', line)
-        if target and target.group(1).endswith("_start"):
-            open_starts.append([target.group(1), 0])
-        elif target and target.group(1) == "jax_cpgrad_done":
-            if open_starts:
-                pairs.append(tuple(open_starts.pop(0)))
-        elif open_starts and _has_matmul(line, bodies, set()):
-            for pending in open_starts:
-                pending[1] += 1
-    return pairs + [tuple(p) for p in open_starts]
+    found = []
+    for name, lines in bodies.items():
+        if name == "ENTRY":
+            continue  # also listed under its own name
+        instrs = [i for i in map(_parse, lines) if i is not None]
+        starts = {
+            i.name: Pair(i.target, pos) for pos, i in enumerate(instrs) if (i.target or "").endswith("_start")
+        }
+        if not starts:
+            continue
+        carries: dict[str, set[str]] = {s: {s} for s in starts}  # value -> starts whose results it holds
+        elements: dict[str, list[set[str]]] = {}  # tuple value -> the same, per element
+        for pos, ins in enumerate(instrs):
+            if ins.name in starts:
+                continue
+            of = [carries.get(o, set()) for o in ins.operands]
+            held = set().union(*of)
+            if ins.opcode == "tuple":
+                elements[ins.name] = of
+            elif ins.opcode == "opt-barrier" and ins.operands and ins.operands[0] in elements:
+                elements[ins.name] = elements[ins.operands[0]]
+            elif ins.opcode == "get-tuple-element" and ins.operands[0] in elements:
+                index = int(re.search(r"index=(\d+)", ins.rest).group(1))
+                held = elements[ins.operands[0]][index]
+            if ins.target == "jax_cpgrad_done":
+                for s in held:
+                    starts[s].done = pos if starts[s].done is None else starts[s].done
+            elif ins.opcode in _FORWARDING:
+                carries[ins.name] = held
+            else:
+                for s in held:
+                    if starts[s].done is None:
+                        starts[s].early_readers.append(ins.name)
+            if _does_matmul(ins, bodies, set()):
+                for p in starts.values():
+                    if p.start < pos and p.done is None:
+                        p.matmuls_between += 1
+        found += sorted(starts.values(), key=lambda p: p.start)
+    return found
+
+
+def matmuls_between_pairs(hlo_text: str) -> list[tuple[str, int]]:
+    """(target, matrix-multiply instructions scheduled between the start and its done) per start."""
+    return [(p.target, p.matmuls_between) for p in pairs(hlo_text)]

@@ -222,6 +222,13 @@ def test_overlapped_workspaces_run_every_call_as_a_pair_on_their_own_stream(gpu,
     _assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), 2, scenarios)
 
 
+def test_the_overlap_test_fails_without_the_dones_wait(gpu):
+    """Negative control of the overlap scenario (N = 1, one process): with the dones' waits removed
+    (a test build's hook), results read before the slowed calls finish come out wrong."""
+    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    _run_in_one_process(["overlap_unjoined"], timeout_s=300, CUDA_VISIBLE_DEVICES="0")
+
+
 @pytest.mark.parametrize("overlap", ["0", "1"])
 def test_one_gpu_in_process_n1(gpu, overlap):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer; with

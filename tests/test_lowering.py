@@ -4,6 +4,7 @@ calls with the right attributes, and no XLA collective anywhere in a whole CP tr
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -107,29 +108,44 @@ def test_vmap_adds_leading_axes_and_keeps_the_sequence_axis_counted_from_the_bac
     assert "(tensor<5x16x3xf32>) -> tensor<5x4x3xf32>" in call, call
 
 
+def _ssa(line: str) -> str:
+    """The SSA name a lowered line defines ("%5" of "%5:2 = ...")."""
+    return re.match(r"(%\w+)(?::\d+)? = ", line).group(1)
+
+
+def _operands(line: str) -> list[str]:
+    return re.findall(r"(%\w+)(?:#\d+)?", line.split(" = ", 1)[1].split("{")[0])
+
+
 @pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
-def test_an_overlapped_workspace_takes_every_call_as_a_start_and_its_done(protocol, suffix):
-    """Workspace(overlap=True): a plain call (the backward's too) lowers to our start, with the
-    whole call's side effects, and our done, which takes the start's results and inputs as
-    operands and has results of its own (no aliasing); nothing goes to XLA's own streams."""
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+def test_an_overlapped_workspace_takes_every_call_as_a_start_and_its_done(protocol, suffix, remat):
+    """Workspace(overlap=True): a plain call (the backward's too) lowers to our start and our done,
+    both with side effects, the done taking the start's results and inputs and returning a token,
+    and the results released by a barrier with that very token; under jax.checkpoint too (a start
+    without side effects would be recomputed there, without a done); nothing on XLA's own streams."""
     mesh, ws = cp_mesh(4, "cpu"), workspace_spec(4, protocol=protocol, overlap=True)
 
     def loss(k, v):
         k_all, v_all = cpg.all_gather((k, v), axis_name="cp", seq_axis=1, workspace=ws)
-        return (k_all * v_all).sum()
+        return (jnp.cos(k_all) * v_all).sum()
 
-    f = spmd_jit(mesh, lambda k, v: jax.grad(loss, argnums=(0, 1))(k, v))
+    f = spmd_jit(mesh, lambda k, v: jax.grad(jax.checkpoint(loss) if remat else loss, argnums=(0, 1))(k, v))
     x = place(mesh, np.zeros((4, 2, 16, 3), np.float32))
-    text = _cuda_text(f, x, x)
-    calls = [line.strip() for line in text.splitlines() if "stablehlo.custom_call" in line]
+    lines = [line.strip() for line in _cuda_text(f, x, x).splitlines()]
+    calls = [line for line in lines if "stablehlo.custom_call" in line]
     targets = [re.search(r"@(\w+)\(", c).group(1) for c in calls]
     assert targets == [f"jax_cpgrad_all_gather{suffix}_start", "jax_cpgrad_done"] + [
         f"jax_cpgrad_grad_return{suffix}_start",
         "jax_cpgrad_done",
     ]
-    assert all(("has_side_effect = true" in c) == (protocol == "memop") for c in calls[::2])
-    for done in calls[1::2]:
-        # (2 start results, 2 start inputs) -> 2 results of its own, not aliased.
-        assert "has_side_effect = true" in done and "output_operand_aliases" not in done
-        assert re.search(r"@jax_cpgrad_done\(%\w+#0, %\w+#1, %\w+, %\w+\)", done), done
-    assert "_xla_stream_annotation" not in text
+    assert all("has_side_effect = true" in c for c in calls)
+    for start, done in zip(calls[::2], calls[1::2], strict=True):
+        assert "output_operand_aliases" not in done and re.search(r"-> tensor<1xi32>$", done), done
+        # The done's operands: the start's results (through the ties) and the start's inputs.
+        assert _operands(done)[2:] == _operands(start), (start, done)
+        # The results reach the program only through a barrier with this done's token.
+        # (Under checkpoint that barrier also carries the remat's own residuals.)
+        releases = [ln for ln in lines if "optimization_barrier" in ln and _ssa(done) in _operands(ln)]
+        assert len(releases) == 1, releases
+    assert "_xla_stream_annotation" not in "\n".join(lines)

@@ -215,3 +215,58 @@ def test_schedule_reading_counts_only_matmuls_between_a_start_and_its_done(work,
     assert hlo_schedule.matmuls_between_pairs(MODULE.replace("WORK", work)) == [
         ("jax_cpgrad_all_gather_device_start", between)
     ]
+
+
+DATAFLOW = """\
+ENTRY %main (x: f32[4,4]) -> f32[4,4] {
+  %s = (f32[4,4], f32[4,4]) custom-call(%x), custom_call_target="jax_cpgrad_all_gather_device_start"
+  %r0 = f32[4,4] get-tuple-element(%s), index=0
+  %t = (f32[4,4], f32[4,4]) tuple(%r0, %x)
+  %w = f32[4,4] get-tuple-element(%t), index=1
+  %m = f32[4,4] dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  EARLY
+  %tok = s32[1] custom-call(%r0, %x), custom_call_target="jax_cpgrad_done"
+  ROOT %late = f32[4,4] add(%r0, %m)
+}
+"""
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_schedule_reading_finds_readers_of_a_start_s_results_before_its_done(early):
+    """Data flow, not text order: the work reads the tuple's other element (not the results), the
+    done is found through the start's result, a reader of the result before the done is caught."""
+    text = DATAFLOW.replace("EARLY", "%e = f32[4,4] negate(%r0)" if early else "")
+    (pair,) = hlo_schedule.pairs(text)
+    assert (pair.target, pair.matmuls_between, pair.done is not None) == (
+        "jax_cpgrad_all_gather_device_start",
+        1,
+        True,
+    )
+    assert pair.early_readers == (["e"] if early else [])
+
+
+def test_errors_name_the_overlapped_function():
+    mesh = cp_mesh(N, "cpu")
+    body = lambda k: cpg.all_gather_overlapped(k, jnp.sin, k, axis_name="nope", seq_axis=SEQ)
+    with pytest.raises(ValueError, match=r"jax_cpgrad\.all_gather_overlapped: axis name 'nope'"):
+        spmd_jit(mesh, body)(place(mesh, _data()[0]))
+
+
+class _SixtyFourSMs:
+    @staticmethod
+    def multiprocessor_count(device):
+        return 64
+
+
+@pytest.mark.parametrize(
+    "sm_budget,overlap,want", [(None, False, 64), (None, True, 32), (16, True, 16), (100, True, 64)]
+)
+def test_an_overlapped_workspace_takes_half_the_sms_by_default(monkeypatch, sm_budget, overlap, want):
+    """Its calls run beside other kernels; waiting kernels must fit on the GPU together."""
+    from jax_cpgrad import workspace
+
+    monkeypatch.setattr(workspace, "ext", _SixtyFourSMs)
+    blocks, pushing = workspace._device_blocks(
+        [type("D", (), {"local_hardware_id": 0})()], sm_budget, None, overlap
+    )
+    assert (blocks, pushing) == (want, want // 2)

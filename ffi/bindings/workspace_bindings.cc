@@ -204,6 +204,7 @@ class NativeWorkspace {
     }
   }
   void test_set_single_buffer(bool on) { state_->single_buffer.store(on); }
+  void test_set_skip_join(bool on) { state_->test_skip_join.store(on); }
   // The local GPU of CP rank `rank` (if any) waits `ns` before it reads each tile or call.
   void test_set_finish_delay(int64_t rank, uint32_t ns) {
     for (const auto& m : state_->members) {
@@ -306,6 +307,7 @@ void bind_workspace(nb::module_& m) {
 #if JAX_CPGRAD_TEST_HOOKS
       .def("test_set_epoch", &NativeWorkspace::test_set_epoch)
       .def("test_set_single_buffer", &NativeWorkspace::test_set_single_buffer)
+      .def("test_set_skip_join", &NativeWorkspace::test_set_skip_join)
       .def("test_set_finish_delay", &NativeWorkspace::test_set_finish_delay)
 #endif
       .def("status", &NativeWorkspace::status);
