@@ -17,7 +17,8 @@ Parameters are float32 master weights used in --dtype (bf16); ``jax.value_and_gr
 them inside ``jax.shard_map`` over the 1-D mesh axis "cp", one jitted step returning loss and grads.
 
 Transports: ``xla`` (no workspace: reorder + all_gather / psum_scatter, i.e. NCCL on GPUs),
-``peer`` (a ``jax_cpgrad.Workspace``; --protocol, several protocols give one row each), ``none``
+``peer`` (a ``jax_cpgrad.Workspace``; --protocol, several protocols give one row each: by default
+the plain calls and the overlapped pairs, with the query projection beside each gather), ``none``
 (the same shapes without communication: the gather becomes a local tile of K/V to the global
 length, whose transpose is a local sum of slices). Communication share = step(transport) -
 step(none). Per config and transport: median step time and spread, tokens/s, XLA's memory
@@ -406,9 +407,10 @@ def _parse(argv):
     p.add_argument(
         "--protocol",
         nargs="+",
-        default=["auto"],
+        default=["auto", "auto+overlap"],
         help="peer transport workspace(s), one row each: <auto|device|memop>[:B[:S]][+overlap] (SM budget B, "
-        "push share S, every call a start/done pair on the workspace's stream, the query projection between)",
+        "push share S, every call a start/done pair on the workspace's stream, the query projection "
+        "between); default: with and without overlap, side by side",
     )
     p.add_argument(
         "--attention",
