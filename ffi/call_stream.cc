@@ -53,8 +53,9 @@ std::string CallStream::join(const Lock& lock, const CallBuffers& buffers,
                              cudaStream_t xla_stream) {
   // A done may run twice for one start (XLA clones custom calls), so the record stays.
   if (std::find(started_calls_.begin(), started_calls_.end(), buffers) == started_calls_.end()) {
-    return "the done was not handed the buffers its start used (XLA copied the results or the "
-           "inputs between the two), so it cannot keep them safe";
+    return "the done was not handed the buffers of any of the last " + std::to_string(kRemembered) +
+           " starts (XLA copied the results or the inputs between start and done, or more calls "
+           "were in flight at once), so it cannot keep them safe";
   }
   cudaError_t err = join_unchecked(lock, xla_stream);
   return err == cudaSuccess ? "" : cuda_error_text(err, "cudaStreamWaitEvent", __FILE__, __LINE__);

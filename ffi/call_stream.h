@@ -4,8 +4,9 @@
 // A call is split in two custom calls. Its start makes this stream wait for XLA's stream (the
 // inputs are ready), enqueues the whole protocol here, writing the call's results, and records an
 // event with the call's buffers; its done, placed by XLA later in the program, checks that it was
-// handed the very buffers a start used (XLA did not copy the results, nor the inputs it keeps
-// alive) and makes XLA's stream wait for the event. The results reach the rest of the program only
+// handed the buffers of one of the last starts (so XLA did not copy the results, nor the inputs
+// it keeps alive; a copy that landed on another recent start's identical buffers would pass) and
+// makes XLA's stream wait for the event. The results reach the rest of the program only
 // through a barrier with the done's token (see peer_transport.py).
 //
 // Every call of the workspace runs on this one stream, in program order, so a workspace's calls

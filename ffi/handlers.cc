@@ -47,11 +47,12 @@ ffi::Error launch_error(cudaError_t err, const char* what) {
                               cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
-// A call's buffers as its start records them and its done checks them.
-CallBuffers call_buffers(const TensorPtrs& t, int64_t count) {
+// A call's buffers as its start records them and its done checks them. Empty arrays have no
+// buffer to keep (XLA may hand the done a constant for them): they are recorded as null.
+CallBuffers call_buffers(const TensorPtrs& t, int64_t count, bool empty) {
   CallBuffers b;
   b.count = count;
-  for (int64_t k = 0; k < count; ++k) {
+  for (int64_t k = 0; k < count && !empty; ++k) {
     b.results[k] = t.out[k];
     b.inputs[k] = t.in[k];
   }
@@ -163,7 +164,8 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, CallState* state, ffi::R
       return launch_error(err, "the wait for the call's inputs");
     }
     ffi::Error enqueued = enqueue(own.stream());
-    cudaError_t marked = own.mark_started(lock, call_buffers(t, plan.tensors));
+    cudaError_t marked =
+        own.mark_started(lock, call_buffers(t, plan.tensors, plan.payload_bytes() == 0));
     if (enqueued.failure() || marked != cudaSuccess) {
       // XLA abandons the execution and reuses its buffers: not before what did reach our stream.
       own.join_unchecked(lock, stream);
@@ -195,17 +197,19 @@ ffi::Error Done(cudaStream_t stream, int32_t device, CallState* state, ffi::Rema
         std::to_string(kMaxTensors) + " arguments), got " + std::to_string(args.size()));
   }
   TensorPtrs t{};
+  bool empty = false;
   for (size_t k = 0; k < count; ++k) {
     auto result = args.get<ffi::AnyBuffer>(k);
     auto input = args.get<ffi::AnyBuffer>(count + k);
     if (!result || !input) return ffi::Error::InvalidArgument("jax_cpgrad_done: not a buffer");
     t.out[k] = static_cast<char*>(result->untyped_data());
     t.in[k] = static_cast<const char*>(input->untyped_data());
+    empty = empty || result->size_bytes() == 0;
   }
   if (ws.test_skip_join.load(std::memory_order_relaxed)) return ffi::Error::Success();
   CallStream& own = *m->call_stream;
   const CallStream::Lock lock = own.hold();
-  std::string problem = own.join(lock, call_buffers(t, static_cast<int64_t>(count)), stream);
+  std::string problem = own.join(lock, call_buffers(t, static_cast<int64_t>(count), empty), stream);
   return problem.empty() ? ffi::Error::Success()
                          : ffi::Error::Internal("jax_cpgrad_done: " + problem);
 }

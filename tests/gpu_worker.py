@@ -179,7 +179,7 @@ def _race(mesh, n, protected: bool, slow_owner: bool = False, wire: str = "tiles
         if not protected:
             _testing.remove_war_protection(ws)
         if slow_owner:
-            _testing.delay_finishing(ws, 0, OVERLAP_SLOW_OWNER_NS)
+            _testing.delay_finishing(ws, 0, SLOW_OWNER_NS)
         t0 = time.time()
         error = None
         try:

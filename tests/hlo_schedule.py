@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(.*)$")
+_HEAD = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _CALLED = re.compile(r"(?:to_apply|calls)=(%[\w.\-]+(?:, %[\w.\-]+)*)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _MATMUL_TARGET = re.compile(r"cublas|gemm|matmul", re.I)
@@ -47,11 +47,28 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def _parse(line: str) -> Instr | None:
-    m = _INSTR.match(line)
-    if not m:
+    """One instruction line: `%name = <shape> opcode(<operands>), <attributes>`. Shapes may be
+    tuples and operands may carry their shapes, so the operand list is found by its matching
+    parenthesis. None for lines that define nothing; ValueError for one that cannot be read."""
+    head = _HEAD.match(line)
+    if not head:
         return None
-    name, _, opcode, operands, rest = m.groups()
-    return Instr(name, opcode, re.findall(r"%([\w.\-]+)", operands), rest.split(", metadata=")[0])
+    text, i, depth = line[head.end() :], 0, 0
+    while i < len(text) and (depth or text[i] != " "):  # skip the shape, which may hold spaces in ()
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    m = re.match(r" ([\w\-]+)\(", text[i:])
+    if not m:
+        raise ValueError(f"cannot read the instruction: {line.strip()[:200]}")
+    start = i + m.end()
+    j, depth = start, 1
+    while depth:
+        if j == len(text):
+            raise ValueError(f"unbalanced operand list: {line.strip()[:200]}")
+        depth += {"(": 1, ")": -1}.get(text[j], 0)
+        j += 1
+    operands = re.findall(r"%([\w.\-]+)", text[start : j - 1])
+    return Instr(head.group(1), m.group(1), operands, text[j:].split(", metadata=")[0])
 
 
 def _does_matmul(ins: Instr, bodies: dict[str, list[str]], seen: set[str]) -> bool:
@@ -85,17 +102,22 @@ def pairs(hlo_text: str) -> list[Pair]:
             continue  # also listed under its own name
         instrs = [i for i in map(_parse, lines) if i is not None]
         starts = {
-            i.name: Pair(i.target, pos) for pos, i in enumerate(instrs) if (i.target or "").endswith("_start")
+            i.name: Pair(i.target, pos)
+            for pos, i in enumerate(instrs)
+            if (i.target or "").startswith("jax_cpgrad_") and i.target.endswith("_start")
         }
         if not starts:
             continue
         carries: dict[str, set[str]] = {s: {s} for s in starts}  # value -> starts whose results it holds
         elements: dict[str, list[set[str]]] = {}  # tuple value -> the same, per element
         for pos, ins in enumerate(instrs):
-            if ins.name in starts:
-                continue
             of = [carries.get(o, set()) for o in ins.operands]
             held = set().union(*of)
+            if ins.name in starts:  # a start reading another start's results is a reader too
+                for s in held:
+                    if starts[s].done is None:
+                        starts[s].early_readers.append(ins.name)
+                continue
             if ins.opcode == "tuple":
                 elements[ins.name] = of
             elif ins.opcode == "opt-barrier" and ins.operands and ins.operands[0] in elements:
@@ -104,8 +126,15 @@ def pairs(hlo_text: str) -> list[Pair]:
                 index = int(re.search(r"index=(\d+)", ins.rest).group(1))
                 held = elements[ins.operands[0]][index]
             if ins.target == "jax_cpgrad_done":
-                for s in held:
+                # Its first half of operands are the results of its own start; the rest are that
+                # start's inputs, which may hold another start's results (read by this one).
+                half = len(ins.operands) // 2
+                own = set().union(*of[:half])
+                for s in own:
                     starts[s].done = pos if starts[s].done is None else starts[s].done
+                for s in set().union(*of[half:]) - own:
+                    if starts[s].done is None:
+                        starts[s].early_readers.append(ins.name)
             elif ins.opcode in _FORWARDING:
                 carries[ins.name] = held
             else:

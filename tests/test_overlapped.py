@@ -270,3 +270,31 @@ def test_an_overlapped_workspace_takes_half_the_sms_by_default(monkeypatch, sm_b
         [type("D", (), {"local_hardware_id": 0})()], sm_budget, None, overlap
     )
     assert (blocks, pushing) == (want, want // 2)
+
+
+NESTED = """\
+ENTRY %main (x: f32[4,4]) -> f32[4,4] {
+  %a = (f32[4,4]) custom-call(f32[4,4]{1,0} %x), custom_call_target="jax_cpgrad_all_gather_start"
+  %ra = f32[4,4] get-tuple-element((f32[4,4]{1,0}) %a), index=0
+  %b = (f32[4,4]) custom-call(%ra), custom_call_target="jax_cpgrad_grad_return_start"
+  %rb = f32[4,4] get-tuple-element(%b), index=0
+  %db = s32[1] custom-call(%rb, %ra), custom_call_target="jax_cpgrad_done"
+  %da = s32[1] custom-call(%ra, %x), custom_call_target="jax_cpgrad_done"
+  %other = (f32[4,4]) custom-call(%x), custom_call_target="someone_elses_start"
+  ROOT %late = f32[4,4] add(%ra, %rb)
+}
+"""
+
+
+def test_schedule_reading_takes_a_start_or_a_done_s_inputs_as_readers():
+    """A start that reads another start's results before that one's done is a reader, so is a
+    done whose inputs hold them; each done belongs to the start of its first operands; shapes
+    printed beside operands are read; only our starts count."""
+    a, b = hlo_schedule.pairs(NESTED)
+    assert (a.target, a.done, a.early_readers) == ("jax_cpgrad_all_gather_start", 5, ["b", "db"])
+    assert (b.target, b.done, b.early_readers) == ("jax_cpgrad_grad_return_start", 4, [])
+
+
+def test_schedule_reading_refuses_a_line_it_cannot_read():
+    with pytest.raises(ValueError, match="cannot read"):
+        hlo_schedule.pairs("%c (x: f32[4]) -> f32[4] {\n  %y = f32[4] %x\n}\n")
