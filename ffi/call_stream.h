@@ -60,7 +60,10 @@ class CallStream {
   cudaError_t join_unchecked(const Lock&, cudaStream_t xla_stream);
 
  private:
-  void release();  // waits for the stream, then destroys it and the events (never throws)
+  // Waits for the stream, then destroys it and the events (never throws). Only at construction
+  // failure and destruction, when the last executable holding the workspace is gone: never in a
+  // handler, which must not block.
+  void release();
   int device_;
   cudaStream_t stream_ = nullptr;
   // A wait takes an event's state when it is enqueued, so one event of each kind serves every call.

@@ -2,8 +2,8 @@
 
 A workspace made with ``overlap=True`` takes every call as a pair of custom calls (see
 ``ffi/call_stream.h``): the start enqueues the whole call on the workspace's own stream, writing
-its results; the done makes XLA's stream wait for it. The done takes the start's inputs, so that
-XLA keeps them alive until then, and returns a token; the results go on only through a barrier
+its results; the done makes XLA's stream wait for it. The done takes the start's results and
+inputs, so that XLA keeps them alive until then, and returns a token; the results go on only through a barrier
 with that token, so nothing reads them earlier. Whatever XLA runs between the two runs beside the
 transfer. :func:`beside` places given work there by data dependencies alone.
 """
@@ -46,15 +46,16 @@ def _ffi_call(target: str, side_effect: bool, operands: tuple, results: tuple, n
     )
 
 
-def _result_types(op: str, xs: tuple, seq_axis: int, n: int) -> tuple:
+def _op_call(target: tuple[str, bool], op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
+    """A whole call or a start: ``target`` (name, has_side_effect) on ``xs``, op's result shapes."""
     out_shape = xs[0].shape[:seq_axis] + (_out_len(op, xs, seq_axis, n),) + xs[0].shape[seq_axis + 1 :]
-    return tuple(_result_type(x, out_shape) for x in xs)
+    results = tuple(_result_type(x, out_shape) for x in xs)
+    return _ffi_call(*target, xs, results, n, seq_axis, spec)
 
 
 def start(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
     """The start of an overlapped call: its results, not to be read before :func:`done`."""
-    target, side_effect = spec.start_target(op)
-    return _ffi_call(target, side_effect, xs, _result_types(op, xs, seq_axis, n), n, seq_axis, spec)
+    return _op_call(spec.start_target(op), op, xs, seq_axis, n, spec)
 
 
 def done(pending: tuple, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
@@ -103,8 +104,7 @@ def beside(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec, work,
 def _call(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
     if spec.overlap:  # a pair with nothing between: the call stays on the workspace's stream
         return beside(op, xs, seq_axis, n, spec, lambda _: ((), None), ())[0]
-    target, side_effect = spec.target(op)
-    return _ffi_call(target, side_effect, xs, _result_types(op, xs, seq_axis, n), n, seq_axis, spec)
+    return _op_call(spec.target(op), op, xs, seq_axis, n, spec)
 
 
 def grad_return_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
