@@ -1,5 +1,6 @@
-"""jax_cpgrad: NCCL-free context-parallel gradient return for JAX.
+"""jax_cpgrad: context-parallel attention for JAX, with K/V and dK/dV moved without NCCL.
 
+``dot_product_attention`` is the CP attention layer (inside ``jax.shard_map``). Underneath it,
 ``grad_return`` returns each rank's share of the global dK/dV to its owner in the load-balanced
 CP layout; ``all_gather`` is its inverse (and its VJP). With a :class:`Workspace` they run over
 the peer transport, an XLA FFI CUDA handler on XLA's own stream; without one, over XLA
@@ -9,6 +10,7 @@ collectives.
 from ._native import HAS_CUDA
 from ._version import __version__ as __version__
 from .api import all_gather, all_gather_overlapped, grad_return, grad_return_overlapped, grad_return_reference
+from .attention import attention_workspace_nbytes, dot_product_attention
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
 from .workspace import Workspace, workspace_bytes
 
@@ -16,6 +18,8 @@ __all__ = [
     "HAS_CUDA",
     "Workspace",
     "all_gather",
+    "attention_workspace_nbytes",
+    "dot_product_attention",
     "all_gather_overlapped",
     "from_cp_layout",
     "grad_return",

@@ -12,7 +12,7 @@ import re
 _HEAD = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _CALLED = re.compile(r"(?:to_apply|calls)=(%[\w.\-]+(?:, %[\w.\-]+)*)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_MATMUL_TARGET = re.compile(r"cublas|gemm|matmul", re.I)
+_MATMUL_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$fmha", re.I)  # cuDNN attention too
 _FORWARDING = {"get-tuple-element", "tuple", "bitcast", "opt-barrier"}
 
 

@@ -1,0 +1,208 @@
+"""``dot_product_attention``: context-parallel attention of one rank, inside ``jax.shard_map``."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import api
+from . import kernels, public_path, split_attention
+from .plan import RankPlan
+from .transfer import NoTransfer, OnMeshAxis
+
+_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+# At N = 1 the local layout is the whole sequence in natural order: no transfer is needed, and
+# the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
+SKIP_TRANSFER_WHEN_ALONE = True
+_warned_public_path = False
+
+
+def attention_workspace_nbytes(key) -> int:
+    """The ``nbytes`` a :class:`jax_cpgrad.Workspace` needs for :func:`dot_product_attention` on
+    keys shaped like ``key`` (an array or ``jax.ShapeDtypeStruct``): the rank's local K and V,
+    ``2 * B * T * K * H * itemsize`` (one workspace serves every layer of that size or smaller)."""
+    shape = tuple(key.shape)
+    if len(shape) != 4:
+        raise ValueError(f"attention_workspace_nbytes: key must be [B, T, K, H], got shape {shape}")
+    return 2 * int(np.prod(shape)) * jnp.dtype(key.dtype).itemsize
+
+
+def _name(op: str = "dot_product_attention") -> str:
+    return f"jax_cpgrad.{op}"
+
+
+def _check_shapes(query, key, value) -> None:
+    for label, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{_name()}: {label} is not an array: {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{_name()}: {label} must be [B, T, N, H] (4 dimensions), got shape {x.shape}")
+        if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{_name()}: {label} has dtype {x.dtype}; float32, bfloat16 and float16 are supported"
+            )
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            f"{_name()}: query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"{_name()}: key and value must have the same shape, got {key.shape} and {value.shape}"
+        )
+    (b, t, n, h), (bk, tk, nk, hk) = query.shape, key.shape
+    if (b, t) != (bk, tk):
+        raise ValueError(
+            f"{_name()}: query and key must have the same batch and local length, got [B, T] = "
+            f"{[b, t]} and {[bk, tk]}"
+        )
+    if h != hk:
+        raise ValueError(f"{_name()}: query and key head dims differ: {h} and {hk}")
+    if n % nk:
+        raise ValueError(f"{_name()}: the query heads ({n}) must be a multiple of the key/value heads ({nk})")
+    if t % 2:
+        raise ValueError(
+            f"{_name()}: the local length T = {t} must be even: a rank holds two chunks of the "
+            "load-balanced layout (jax_cpgrad.to_cp_layout)"
+        )
+
+
+def _choose_implementation(implementation, dtype, head_dim: int) -> str:
+    """'xla', 'cudnn' or 'public' (cuDNN wanted, but this jax lacks the private primitives)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{_name()}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
+    cudnn_ok = jnp.dtype(dtype) in [jnp.dtype(d) for d in kernels.CUDNN_DTYPES] and head_dim % 8 == 0
+    cudnn_ok = cudnn_ok and head_dim <= 256
+    if implementation == "cudnn" and not cudnn_ok:
+        raise ValueError(
+            f"{_name()}: implementation='cudnn' needs bfloat16 or float16 and a head dim that is a "
+            f"multiple of 8, at most 256; got {jnp.dtype(dtype).name} and {head_dim}"
+        )
+    wants_cudnn = implementation == "cudnn" or (implementation is None and cudnn_ok and _on_gpu())
+    if not wants_cudnn:
+        return "xla"
+    if kernels.cudnn_binds() is None:
+        _warn_public_path()
+        return "public"
+    return "cudnn"
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _warn_public_path() -> None:
+    global _warned_public_path
+    if not _warned_public_path:
+        _warned_public_path = True
+        warnings.warn(
+            f"jax_cpgrad.dot_product_attention: jax {jax.__version__} lacks the private cuDNN "
+            "attention primitives the layer uses (jax._src.cudnn.fused_attention_stablehlo), so it "
+            "falls back to jax.nn.dot_product_attention with a boolean mask: exact, but about 1.5x "
+            "the causal attention work plus a mask read (measured 2.7-3.4x slower on an H200), and "
+            "the K/V transfer is not hidden behind attention work. Use jax 0.11.2-0.12.x for the fast path.",
+            stacklevel=4,
+        )
+
+
+def _check_workspace(spec, axis_name: str, n: int, key) -> None:
+    if spec is None:
+        return
+    needed = attention_workspace_nbytes(key)
+    if needed > spec.nbytes:
+        raise ValueError(
+            f"{_name()}: workspace '{spec.name}' holds {spec.nbytes} bytes per call but this layer "
+            f"needs {needed} (the local K and V: 2 x {list(key.shape)} x {jnp.dtype(key.dtype).itemsize} "
+            "bytes); create it with nbytes=jax_cpgrad.attention_workspace_nbytes(key) or more"
+        )
+    spec.check_call(axis_name, n, needed, "dot_product_attention")
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    axis_name: str,
+    workspace=None,
+    scale: float | None = None,
+    is_causal: bool = True,
+    implementation: str | None = None,
+):
+    """Context-parallel scaled dot-product attention, exact, for one rank inside ``jax.shard_map``.
+
+    The global sequence of S tokens is split over the N devices of the mesh axis ``axis_name`` in
+    the load-balanced layout (:func:`jax_cpgrad.to_cp_layout`): each rank holds T = S/N tokens,
+    global chunks r and 2N-1-r of S/(2N) tokens each. Each rank passes its local
+    ``query [B, T, N, H]`` and ``key``/``value [B, T, K, H]`` (K divides N: MHA, GQA, MQA; the
+    letters are ``jax.nn.dot_product_attention``'s) and gets back its rows ``[B, T, N, H]`` of the
+    unsharded attention on the natural-order global arrays, with that attention's gradients.
+
+    K and V are gathered at K heads (never repeated to N) and dK/dV are returned to their owners,
+    summed in float32 in rank order: over the peer transport with ``workspace`` (a
+    :class:`jax_cpgrad.Workspace` on this axis; :func:`attention_workspace_nbytes` sizes it), over
+    XLA collectives without. The part of the attention that needs only the rank's own keys runs
+    while K/V travel, and in the backward pass while dK/dV travel (really beside them with a
+    workspace made with ``overlap=True``; XLA schedules its own collectives otherwise).
+
+    Args:
+      query, key, value: the rank's local arrays, float32, bfloat16 or float16 (one dtype).
+      axis_name: the CP mesh axis.
+      workspace: a ``Workspace`` (peer transport) or None (XLA collectives).
+      scale: the scores' scale; default ``1 / sqrt(H)``.
+      is_causal: causal attention (query i sees keys 0..i of the global sequence), or full.
+      implementation: None (cuDNN flash attention on a GPU for bfloat16/float16, XLA otherwise),
+        ``"cudnn"`` or ``"xla"``. The softmax and every sum run in float32 in both.
+
+    Raises:
+      ValueError: before anything runs, for mismatched shapes or dtypes, query heads that are not
+        a multiple of the key heads, an odd local length, an axis that is not bound (called
+        outside ``shard_map``), a workspace that is closed, of another axis or too small, or an
+        implementation that cannot run these inputs.
+    """
+    _check_shapes(query, key, value)
+    n = api._axis_size(axis_name, "dot_product_attention")
+    spec = api._spec_of(workspace, "dot_product_attention")
+    _check_workspace(spec, axis_name, n, key)
+    head_dim = query.shape[-1]
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    impl = _choose_implementation(implementation, query.dtype, head_dim)
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    if impl == "public":
+        return public_path.attention(
+            query, key, value, axis_name=axis_name, spec=spec, rank=rank, n=n, causal=is_causal,
+            scale=scale, implementation=("cudnn" if _on_gpu() else "xla"),
+        )  # fmt: skip
+    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
+    cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec))
+    return split_attention.attention(cfg, query, key, value, rank)
+
+
+def rank_without_transfer(
+    query,
+    key,
+    value,
+    rank,
+    n: int,
+    *,
+    is_causal: bool = True,
+    scale: float | None = None,
+    implementation=None,
+):
+    """The layer's computation for rank ``rank`` of ``n``, alone: real shapes, a local copy in place
+    of every transfer (the gathered keys are not the other ranks'). To measure a rank's
+    attention work on one device (benchmarks/attention.py); not for training."""
+    _check_shapes(query, key, value)
+    head_dim = query.shape[-1]
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    impl = _choose_implementation(implementation, query.dtype, head_dim)
+    if impl == "public":
+        raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
+    cfg = split_attention.Config(
+        plan=RankPlan(n=n, causal=bool(is_causal)), scale=scale, impl=impl, transfer=NoTransfer(n)
+    )
+    return split_attention.attention(cfg, query, key, value, jnp.asarray(rank, jnp.int32))

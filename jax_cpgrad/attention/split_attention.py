@@ -1,0 +1,119 @@
+"""A rank's exact attention as a local and a remote part merged by log-sum-exp, with the transfer
+of K/V (forward) and dK/dV (backward) running beside the local part's work.
+
+Forward: start the K/V gather; compute the local part (own keys only); finish the gather;
+compute the remote part against the gathered keys; merge. Backward: compute the remote part's
+backward first, which yields this rank's dK/dV for the whole sequence; start returning them to
+their owners; compute the local part's backward; finish the return and add the local dK/dV.
+
+The merge has its own VJP. With O = sum_p w_p O_p, w_p = exp(L_p - L) and L = logsumexp_p L_p,
+part p's scores S_p take the merged probabilities P = exp(S_p - L), so the exact score gradient
+is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged* O and L: what a flash-attention
+backward computes when it is given (O, L) instead of the part's own (O_p, L_p), with the unscaled
+dO. Each part's backward runs that way (kernels.backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import kernels
+from .plan import RankPlan
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    plan: RankPlan
+    scale: float
+    impl: str  # kernels.IMPLEMENTATIONS key
+    transfer: Any  # transfer.OnMeshAxis or transfer.NoTransfer (hashable)
+
+
+def merge(first, second):
+    """(out, lse) of two parts of the same queries' attention; out in the first's dtype."""
+    (o1, l1), (o2, l2) = first, second
+    lse = jnp.logaddexp(l1, l2)  # finite: every query sees at least its own key (the local part)
+    weight = lambda lp: jnp.swapaxes(jnp.exp(lp - lse), -1, -2)[..., None]  # [B, T, N, 1]
+    out = weight(l1) * o1.astype(F32) + weight(l2) * o2.astype(F32)
+    return out.astype(o1.dtype), lse
+
+
+def _local_forward(cfg: Config, q, k, v):
+    plan = cfg.plan
+    out, lse = kernels.forward(cfg.impl, *plan.local_operands(q, k, v), causal=plan.causal, scale=cfg.scale)
+    return plan.local_result(out, lse)
+
+
+def _local_backward(cfg: Config, q, k, v, out, lse, d_out):
+    plan = cfg.plan
+    grads = kernels.backward(
+        cfg.impl,
+        *plan.local_operands(q, k, v),
+        *plan.local_cotangents(out, lse, d_out),
+        causal=plan.causal,
+        scale=cfg.scale,
+    )
+    return plan.local_grads(*grads)
+
+
+def _forward(cfg: Config, q, k, v, rank):
+    """(out, lse, residuals)."""
+    plan = cfg.plan
+    if not plan.has_remote:
+        out, lse = _local_forward(cfg, q, k, v)
+        return out, lse, (q, k, v, k, v, out, lse, rank)
+    (k_glob, v_glob), local = cfg.transfer.gather((k, v), functools.partial(_local_forward, cfg), q, k, v)
+    rq, rk, rv, kv_len = plan.remote_operands(q, k_glob, v_glob, rank)
+    remote = plan.remote_result(
+        *kernels.forward(cfg.impl, rq, rk, rv, causal=False, scale=cfg.scale, kv_len=kv_len)
+    )
+    out, lse = merge(local, remote)
+    return out, lse, (q, k, v, k_glob, v_glob, out, lse, rank)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(cfg: Config, q, k, v, rank):
+    """The rank's attention output [B, T, N, H]; ``rank`` is its int32 index on the axis."""
+    return _forward(cfg, q, k, v, rank)[0]
+
+
+def _attention_fwd(cfg: Config, q, k, v, rank):
+    out, _, residuals = _forward(cfg, q, k, v, rank)
+    return out, residuals
+
+
+def _attention_bwd(cfg: Config, residuals, d_out):
+    q, k, v, k_glob, v_glob, out, lse, rank = residuals
+    plan = cfg.plan
+    d_out = d_out.astype(q.dtype)
+    local_backward = functools.partial(_local_backward, cfg)
+    if not plan.has_remote:
+        return (*local_backward(q, k, v, out, lse, d_out), None)
+    rq, rk, rv, kv_len = plan.remote_operands(q, k_glob, v_glob, rank)
+    dq_r, dk_r, dv_r = kernels.backward(
+        cfg.impl,
+        rq,
+        rk,
+        rv,
+        *plan.remote_cotangents(out, lse, d_out),
+        causal=False,
+        scale=cfg.scale,
+        kv_len=kv_len,
+    )
+    seq = k_glob.shape[1]
+    mine = (plan.remote_key_grads(dk_r, seq, rank), plan.remote_key_grads(dv_r, seq, rank))
+    (dk_back, dv_back), (dq_l, dk_l, dv_l) = cfg.transfer.give_back(
+        mine, local_backward, q, k, v, out, lse, d_out
+    )
+    add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)
+    return add(plan.remote_query_grad(dq_r), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,76 @@
+"""The CP attention layer against unsharded ``jax.nn.dot_product_attention``: one run of every
+rank on a mesh, its output and q/k/v gradients put back in natural order, and the largest error
+of each relative to the reference's largest magnitude. Shared by the CPU tests and the GPU worker.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.multihost_utils
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_cpgrad as cpg
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def random_inputs(seq: int, *, batch=1, heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32, seed=0):
+    """Natural-order q, k, v and an output cotangent, rounded to ``dtype`` (as numpy float32)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim)]
+    q, k, v, ct = (rng.standard_normal(shapes[i in (1, 2)]).astype(np.float32) for i in range(4))
+    return tuple(np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v, ct))
+
+
+def reference(q, k, v, ct, *, causal=True, scale=None):
+    """Output and q/k/v gradients of the unsharded attention, float32, XLA."""
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return dict(zip(NAMES, (np.asarray(x) for x in (out, *vjp(ct))), strict=True))
+
+
+def cp_layer(
+    mesh, inputs, *, dtype, causal=True, workspace=None, implementation=None, remat=False, scale=None
+):
+    """The layer's output and gradients on every rank, in natural order (numpy float32)."""
+    n = mesh.shape["cp"]
+    layer = functools.partial(
+        cpg.dot_product_attention,
+        axis_name="cp",
+        workspace=workspace,
+        is_causal=causal,
+        implementation=implementation,
+        scale=scale,
+    )
+    if remat:
+        layer = jax.checkpoint(layer)
+
+    def body(q, k, v, ct):
+        out, vjp = jax.vjp(layer, q, k, v)
+        return (out, *vjp(ct))
+
+    spec = P(None, "cp")
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    sharding = NamedSharding(mesh, spec)
+    laid = [np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in inputs]
+    if jax.process_count() == 1:
+        placed = [jax.device_put(jnp.asarray(x, dtype), sharding) for x in laid]
+    else:
+        placed = [
+            jax.make_array_from_callback(
+                x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], dtype))
+            )
+            for x in laid
+        ]
+    outs = step(*placed)
+    gathered = [np.asarray(jax.experimental.multihost_utils.process_allgather(o, tiled=True)) for o in outs]
+    natural = [np.asarray(cpg.from_cp_layout(g.astype(np.float32), n, seq_axis=1)) for g in gathered]
+    return dict(zip(NAMES, natural, strict=True))
+
+
+def relative_errors(got: dict, ref: dict) -> dict:
+    return {k: float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-30)) for k in ref}

@@ -1,0 +1,72 @@
+"""The CP attention layer's order of work around its transfers, as lowered for GPUs (checked on the
+CPU): with an overlapped workspace the K/V gather's start comes first, the local part's cuDNN
+attention is tied between it and its done, the remote part follows the done; in the backward
+pass the remote part's backward yields dK/dV, their return starts, and the local part's backward
+is tied before the return's done. Under jax.checkpoint the backward recomputes the remote part
+only: the transfers have side effects, so their results are kept, never gathered twice. The GPU
+suite checks the same order in the compiled schedule."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cpgrad as cpg
+from spmd import cp_mesh
+from workspace_stub import workspace_spec
+
+P = jax.sharding.PartitionSpec
+
+
+def _lowered_targets(ws, remat: bool, causal: bool = True) -> list[str]:
+    layer = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", workspace=ws, implementation="cudnn", is_causal=causal
+    )
+    if remat:
+        layer = jax.checkpoint(layer)
+
+    def body(q, k, v):
+        out, vjp = jax.vjp(layer, q, k, v)
+        return vjp(out)
+
+    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(4), in_specs=P(None, "cp"), out_specs=P(None, "cp")))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
+    text = step.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    names = [re.search(r"custom_call @([\w$]+)\(", line) for line in text.splitlines()]
+    return [m.group(1) for m in names if m]
+
+
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffix, remat, causal):
+    ws = workspace_spec(4, protocol=protocol, overlap=True)
+    fwd, bwd = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+    gather, give_back, done = (
+        f"jax_cpgrad_all_gather{suffix}_start",
+        f"jax_cpgrad_grad_return{suffix}_start",
+        "jax_cpgrad_done",
+    )
+    forward = [gather, fwd, done, fwd]  # start, local part, done, remote part
+    backward = [bwd, give_back, bwd, done]  # remote part's backward, return start, local part's, done
+    recomputed = [fwd] if remat else []
+    assert _lowered_targets(ws, remat, causal) == forward + recomputed + backward
+
+
+def test_without_overlap_the_layer_makes_plain_calls():
+    targets = _lowered_targets(workspace_spec(4, protocol="device"), remat=False)
+    assert targets.count("jax_cpgrad_all_gather_device") == 1
+    assert targets.count("jax_cpgrad_grad_return_device") == 1
+    assert not any(t.endswith("_start") or t == "jax_cpgrad_done" for t in targets)
+
+
+def test_at_n1_the_layer_is_one_attention_call_and_no_transfer():
+    mesh = cp_mesh(1)
+    layer = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", implementation="cudnn")
+    body = lambda q, k, v: jax.vjp(layer, q, k, v)[1](layer(q, k, v))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.bfloat16)
+    text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_cpgrad_" not in text and "all_gather" not in text
