@@ -1,8 +1,8 @@
 """One context-parallel training step of the example model, inside ``jax.shard_map`` over "cp".
 
-Each rank holds its two sequence chunks (the load-balanced layout). The forward gathers K and V
-with ``jax_cpgrad.all_gather``; the backward returns dK/dV to their owners through its VJP,
-``grad_return`` (peer transport with a workspace, XLA transport without). Parameter gradients
+Each rank holds its two sequence chunks (the load-balanced layout). Every layer's attention is
+``jax_cpgrad.dot_product_attention``: it gathers K and V and, in the backward pass, returns dK/dV
+to their owners (peer transport with a workspace, XLA transport without). Parameter gradients
 are per-rank partial sums reduced over the CP axis: with ``psum`` on the XLA transport, and on
 the peer transport with an NCCL-free all-reduce built from ``all_gather`` (so a step with a
 workspace uses no NCCL at all; it is also what lets N processes share one GPU, where NCCL
@@ -18,16 +18,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..api import all_gather
+from ..attention import attention_workspace_nbytes, dot_product_attention
 from ..layout import to_cp_layout
 from .model import Config, forward_loss
-
-
-def local_positions(rank, n: int, seq_len: int):
-    """Global positions of rank's local tokens: chunks rank and 2n-1-rank."""
-    c = seq_len // (2 * n)
-    first = rank * c + jnp.arange(c)
-    second = (2 * n - 1 - rank) * c + jnp.arange(c)
-    return jnp.concatenate([first, second])
 
 
 def _ordered_allreduce(vector, axis: str, n: int, workspace):
@@ -49,7 +42,8 @@ def _ordered_allreduce(vector, axis: str, n: int, workspace):
 def workspace_nbytes(cfg: Config, n: int, params) -> int:
     """Workspace capacity for one train step: the larger of one layer's local K and V (gathered
     forward, returned backward) and the packed parameter gradients (the NCCL-free all-reduce)."""
-    kv = 2 * cfg.batch * (cfg.seq_len // n) * cfg.heads * cfg.d_head * jnp.dtype(cfg.dtype).itemsize
+    key = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len // n, cfg.heads, cfg.d_head), jnp.dtype(cfg.dtype))
+    kv = attention_workspace_nbytes(key)
     flat, _ = ravel_pytree(params)
     return max(kv, 4 * (flat.size + 2))
 
@@ -62,15 +56,10 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
     n = mesh.shape[axis]
 
     def body(params, tokens, targets):
-        rank = jax.lax.axis_index(axis)
-        q_pos = local_positions(rank, n, cfg.seq_len)
-        all_pos = jnp.arange(cfg.seq_len)
+        def attend(q, k, v):
+            return dot_product_attention(q, k, v, axis_name=axis, workspace=workspace)
 
-        def gather_kv(k, v):
-            k_all, v_all = all_gather((k, v), axis_name=axis, seq_axis=1, workspace=workspace)
-            return k_all, v_all, all_pos
-
-        loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, q_pos, gather_kv)
+        loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, attend)
         flat, unravel = ravel_pytree(grads)
         packed = jnp.concatenate([flat, loss_sum[None].astype(jnp.float32)])
         if workspace is None:

@@ -1,7 +1,7 @@
 """A small causal transformer (token embedding, attention + MLP blocks, next-token loss).
 
-The same functions run unsharded on one device (the reference) and inside ``shard_map`` on the
-local queries of one CP rank against the gathered keys (cp_step.py): only the positions differ.
+The same functions run unsharded on one device (the reference) and inside ``shard_map`` on one CP
+rank's tokens with ``jax_cpgrad.dot_product_attention`` (cp_step.py): only the attention differs.
 """
 
 from __future__ import annotations
@@ -61,20 +61,16 @@ def _rms_norm(x, scale):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
 
 
-def attention(q, k, v, q_pos, k_pos):
-    """Causal attention of queries at positions q_pos against keys at k_pos ([B, S, H, Dh])."""
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    mask = k_pos[None, None, None, :] <= q_pos[None, None, :, None]
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+def unsharded_attention(q, k, v):
+    """Causal attention of the whole sequence on one device ([B, S, H, Dh])."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def forward_loss(params, tokens, targets, cfg: Config, q_pos, gather_kv):
+def forward_loss(params, tokens, targets, cfg: Config, attend):
     """Summed next-token cross-entropy of the given (local) tokens.
 
-    gather_kv(k, v) -> (k_all, v_all, k_pos): identity for the unsharded model, the CP gather
-    for a rank of a CP group.
+    attend(q, k, v) -> [B, S, H, Dh]: causal attention; unsharded on one device, or
+    ``jax_cpgrad.dot_product_attention`` on one CP rank's tokens.
     """
     dt = jnp.dtype(cfg.dtype)
     x = params["embed"][tokens].astype(dt)
@@ -82,8 +78,7 @@ def forward_loss(params, tokens, targets, cfg: Config, q_pos, gather_kv):
     for layer in params["layers"]:
         h = _rms_norm(x, layer["norm1"])
         q, k, v = ((h @ layer[w].astype(dt)).reshape(b, s, cfg.heads, cfg.d_head) for w in ("wq", "wk", "wv"))
-        k_all, v_all, k_pos = gather_kv(k, v)
-        x = x + attention(q, k_all, v_all, q_pos, k_pos).reshape(b, s, -1) @ layer["wo"].astype(dt)
+        x = x + attend(q, k, v).reshape(b, s, -1) @ layer["wo"].astype(dt)
         h = _rms_norm(x, layer["norm2"])
         x = x + jax.nn.gelu(h @ layer["w1"].astype(dt)) @ layer["w2"].astype(dt)
     logits = _rms_norm(x, params["norm_f"]).astype(jnp.float32) @ params["embed"].T
@@ -93,10 +88,8 @@ def forward_loss(params, tokens, targets, cfg: Config, q_pos, gather_kv):
 
 def reference_loss_and_grads(params, tokens, targets, cfg: Config):
     """The unsharded model on one device: mean loss and its gradients."""
-    positions = jnp.arange(cfg.seq_len)
-    identity = lambda k, v: (k, v, positions)
 
     def mean_loss(p):
-        return forward_loss(p, tokens, targets, cfg, positions, identity) / tokens.size
+        return forward_loss(p, tokens, targets, cfg, unsharded_attention) / tokens.size
 
     return jax.value_and_grad(mean_loss)(params)

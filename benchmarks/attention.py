@@ -1,0 +1,195 @@
+"""The CP attention layer's work per rank against unsharded causal cuDNN attention, on one GPU.
+
+    python benchmarks/attention.py --seq 16k 32k --kv-heads 8 32 --n 1 2 4 8 --json a.json --png a.png
+
+For each sequence length S and number of key/value heads: forward + backward of
+``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")`` on the whole sequence
+(t_unsharded), and of the layer's computation for a rank of N with its real shapes and no
+transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest rank measured).
+A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
+Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
+bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). Times: the mean of --iters calls in a
+row after warm-up, the best of --reps such runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_cpgrad.attention import rank_without_transfer
+
+
+def parse_tokens(text: str) -> int:
+    return int(float(text[:-1]) * 1024) if text[-1] in "kK" else int(text)
+
+
+def human_tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def target(n: int, chunk: int) -> float | None:
+    if n == 1:
+        return 1.03
+    if chunk >= 4096:
+        return 1.05
+    if chunk >= 1024:
+        return 1.15
+    return None
+
+
+def fwd_bwd(attend):
+    """jit(q, k, v, ct, *extra) -> (dq, dk, dv) of sum(attend(q, k, v, *extra) * ct): one forward
+    and backward."""
+
+    def loss(q, k, v, ct, *extra):
+        return jnp.sum(attend(q, k, v, *extra).astype(jnp.float32) * ct.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def seconds(f, args, iters: int, reps: int) -> float:
+    jax.block_until_ready(f(*args))  # compile, load, warm
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    key = jax.random.key(seed)
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    dt = jnp.bfloat16
+    q = jax.random.normal(kq, (1, seq, heads, head_dim), dt)
+    k = jax.random.normal(kk, (1, seq, kv_heads, head_dim), dt)
+    v = jax.random.normal(kv, (1, seq, kv_heads, head_dim), dt)
+    ct = jax.random.normal(kc, (1, seq, heads, head_dim), dt)
+    return q, k, v, ct
+
+
+def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
+    rows = []
+    full = inputs(seq, opts.heads, kv_heads, opts.head_dim)
+    unsharded = fwd_bwd(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    )
+    t_full = seconds(unsharded, full, opts.iters, opts.reps)
+    del full
+    say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
+    for n in ns:
+        local = seq // n
+        chunk = local // 2
+        if chunk < opts.min_chunk or local * n != seq:
+            continue
+        data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
+        step = fwd_bwd(
+            lambda q, k, v, rank, n=n: rank_without_transfer(q, k, v, rank, n, implementation="cudnn")
+        )
+        # One compiled program for every rank: the rank is a runtime value.
+        per_rank = {
+            r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in sorted({0, n - 1})
+        }
+        del data
+        t_rank = max(per_rank.values())
+        ratio = n * t_rank / t_full
+        goal = target(n, chunk)
+        rows.append(
+            dict(
+                seq=seq, kv_heads=kv_heads, heads=opts.heads, head_dim=opts.head_dim, n=n, chunk=chunk,
+                t_unsharded_ms=t_full * 1e3, t_rank_ms=t_rank * 1e3,
+                t_rank_by_rank_ms={str(r): t * 1e3 for r, t in per_rank.items()},
+                ratio=ratio, target=goal, meets_target=None if goal is None else ratio <= goal,
+            )
+        )  # fmt: skip
+        mark = "" if goal is None else (" ok" if ratio <= goal else f" MISSES {goal:.2f}")
+        rank_ms = f"rank {t_rank * 1e3:.3f} ms"
+        say(f"  N={n} chunk {human_tokens(chunk)}: {rank_ms}  N x t_rank / t_unsharded = {ratio:.3f}{mark}")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    seqs = sorted({r["seq"] for r in rows})
+    kvs = sorted({r["kv_heads"] for r in rows})
+    ns = sorted({r["n"] for r in rows})
+    lines = ["| S | KV heads | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|---|" + "---|" * len(ns)]
+    for s in seqs:
+        for kv in kvs:
+            cells = []
+            for n in ns:
+                hit = [r for r in rows if (r["seq"], r["kv_heads"], r["n"]) == (s, kv, n)]
+                cells.append(f"{hit[0]['ratio']:.2f}" if hit else "")
+            if any(cells):
+                lines.append(f"| {human_tokens(s)} | {kv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_png(path: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kv in sorted({r["kv_heads"] for r in rows}):
+        for n in sorted({r["n"] for r in rows}):
+            pts = sorted((r["seq"], r["ratio"]) for r in rows if r["kv_heads"] == kv and r["n"] == n)
+            if pts:
+                ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"N={n}, KV {kv}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global sequence (k tokens)")
+    ax.set_ylabel("N x t_rank / t_unsharded (ideal 1.00)")
+    ax.set_title("CP attention per-rank work, fwd+bwd, bf16, 32x128 heads")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", nargs="+", default=["16k", "32k"])
+    p.add_argument("--kv-heads", nargs="+", type=int, default=[8, 32])
+    p.add_argument("--n", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--min-chunk", type=int, default=512)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--png")
+    opts = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("benchmarks/attention.py measures cuDNN attention: it needs a GPU", file=sys.stderr)
+        return 2
+    say = lambda *a: print(*a, flush=True)
+    rows = []
+    for seq in map(parse_tokens, opts.seq):
+        for kv in opts.kv_heads:
+            rows += measure(seq, kv, opts.n, opts, say)
+    say(table(rows))
+    meta = dict(
+        date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+        command=" ".join(sys.argv),
+    )  # fmt: skip
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if opts.png:
+        write_png(opts.png, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

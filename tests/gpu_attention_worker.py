@@ -1,0 +1,200 @@
+"""The CP attention layer on real GPUs, one process per CP rank (several ranks may share a GPU).
+
+    python tests/gpu_attention_worker.py values,schedule            # N = 1 in this process
+    python -m jax_cpgrad.launch -n 2 tests/gpu_attention_worker.py values
+
+JAX_CPGRAD_TEST_PROTOCOL (auto, device, memop) picks the workspace's protocol. Each scenario
+prints one line ``RESULT {json}`` with named checks (tests/test_gpu_attention.py reads them).
+At N = 1 the layer normally needs no transfer; these scenarios turn that shortcut off, so that
+the transfer's path (two chunks, gather and return on the workspace) runs on one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_check as ac
+import hlo_schedule
+import jax_cpgrad as cpg
+from jax_cpgrad import _testing, launch
+from jax_cpgrad.attention import layer
+from spmd import cp_mesh, local_ranks
+
+PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
+HEADS, KV_HEADS, HEAD_DIM, CHUNK = 8, 2, 128, 256
+BF16_TOLERANCE = 5e-2
+SLOW_OWNER_NS = 200_000  # each tile of the owner: the transfer outlasts the attention beside it
+
+
+def _inputs(n: int, seed: int):
+    return ac.random_inputs(
+        2 * n * CHUNK, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.bfloat16, seed=seed
+    )
+
+
+def _workspace(mesh, *, overlap: bool):
+    key = jax.ShapeDtypeStruct((1, 2 * CHUNK, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    return cpg.Workspace(
+        mesh, "cp", nbytes=cpg.attention_workspace_nbytes(key), protocol=PROTOCOL, overlap=overlap
+    )
+
+
+def _result(checks: dict, **info) -> dict:
+    checks = {name: bool(v) for name, v in checks.items()}
+    return {"ok": all(checks.values()), "checks": checks, **info}
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in ac.NAMES)
+
+
+def values(mesh, n):
+    """bf16 through cuDNN, causal and full, GQA, on a plain and an overlapped workspace: output and
+    q/k/v gradients within 5e-2 of the float32 unsharded attention, the same bits on a second run,
+    and the same bits on both workspaces (the schedule does not change the arithmetic)."""
+    checks, errors = {}, {}
+    for causal in (True, False):
+        inputs = _inputs(n, seed=1 + causal)
+        ref = ac.reference(*inputs, causal=causal)
+        runs = {}
+        for overlap in (False, True):
+            with _workspace(mesh, overlap=overlap) as ws:
+                first = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal, workspace=ws)
+                second = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal, workspace=ws)
+                protocol = ws.protocol
+            tag = f"{'causal' if causal else 'full'}_{'overlap' if overlap else 'plain'}"
+            errors[tag] = ac.relative_errors(first, ref)
+            checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
+            checks[f"{tag}_same_bits_twice"] = _same_bits(first, second)
+            runs[overlap] = first
+        checks[f"{'causal' if causal else 'full'}_overlap_changes_no_bit"] = _same_bits(
+            runs[False], runs[True]
+        )
+        if jax.process_count() == 1:  # XLA's collectives refuse ranks that share a GPU
+            xla = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal)
+            checks[f"{'causal' if causal else 'full'}_xla_transport_within_tolerance"] = (
+                max(ac.relative_errors(xla, ref).values()) <= BF16_TOLERANCE
+            )
+    return _result(checks, errors=errors, protocol=protocol)
+
+
+def _layer_step(ws):
+    layer_fn = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", workspace=ws)
+
+    def body(q, k, v, ct):
+        out, vjp = jax.vjp(layer_fn, q, k, v)
+        dq, dk, dv = vjp(ct)
+        return out * 2, dq * 2, dk * 2, dv * 2  # read on the GPU right after each done
+
+    spec = jax.sharding.PartitionSpec(None, "cp")
+    return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=spec, out_specs=spec))
+
+
+def _placed(mesh, inputs):
+    n = mesh.shape["cp"]
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
+    laid = [np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in inputs]
+    return [
+        jax.make_array_from_callback(
+            x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
+        )
+        for x in laid
+    ]
+
+
+def _steps(mesh, ws, steps: int):
+    """Outputs (numpy, on this process) of `steps` layer steps whose inputs change every step."""
+    n = mesh.shape["cp"]
+    step = _layer_step(ws)
+    outs = []
+    for s in range(steps):
+        placed = _placed(mesh, _inputs(n, seed=100 + s))
+        outs.append(
+            [
+                np.asarray(jax.experimental.multihost_utils.process_allgather(o, tiled=True))
+                for o in step(*placed)
+            ]
+        )
+    return outs
+
+
+def schedule(mesh, n):
+    """The compiled forward and backward on an overlapped workspace: each start (the K/V gather,
+    the dK/dV return) has its done, cuDNN attention scheduled between them, and nothing reads the
+    start's results before the done; with the owner slowed, 10 steps whose inputs change equal
+    (bitwise) the same steps on a workspace without overlap."""
+    with _workspace(mesh, overlap=True) as ws:
+        _testing.delay_finishing(ws, 0, SLOW_OWNER_NS)
+        text = _layer_step(ws).lower(*_placed(mesh, _inputs(n, seed=0))).compile().as_text()
+        got = _steps(mesh, ws, 10)
+    with _workspace(mesh, overlap=False) as plain:
+        want = _steps(mesh, plain, 10)
+    pairs = hlo_schedule.pairs(text)
+    same = [
+        all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    ]
+    return _result(
+        {
+            "two_pairs_with_attention_between": len(pairs) == 2 and all(p.matmuls_between > 0 for p in pairs),
+            "every_start_has_its_done_and_no_early_reader": all(
+                p.done is not None and not p.early_readers for p in pairs
+            ),
+            "overlapped_steps_equal_the_plain_ones": all(same),
+        },
+        pairs=[dataclasses.asdict(p) for p in pairs],
+        steps_equal=same,
+    )
+
+
+def schedule_unjoined(mesh, n):
+    """The negative control of `schedule`: with the dones' waits removed (a test build's hook) and
+    the owner slowed, the attention reads K/V (and the backward dK/dV) before they have arrived,
+    and the results differ from the plain workspace's."""
+    with _workspace(mesh, overlap=True) as ws:
+        _testing.delay_finishing(ws, 0, SLOW_OWNER_NS)
+        _testing.skip_done_waits(ws)
+        got = _steps(mesh, ws, 5)
+    with _workspace(mesh, overlap=False) as plain:
+        want = _steps(mesh, plain, 5)
+    differ = [
+        not all(np.array_equal(a, b) for a, b in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    ]
+    return _result({"results_go_wrong_without_the_wait": any(differ)}, steps_differ=differ)
+
+
+SCENARIOS = {"values": values, "schedule": schedule, "schedule_unjoined": schedule_unjoined}
+
+
+def main(names: list[str]) -> int:
+    if "JAX_CPGRAD_COORDINATOR" in os.environ:
+        launch.initialize()
+    layer.SKIP_TRANSFER_WHEN_ALONE = False
+    mesh = cp_mesh(platform="gpu")
+    n = mesh.size
+    code = 0
+    for name in names:
+        t0 = time.time()
+        try:
+            outcome = SCENARIOS[name](mesh, n)
+        except Exception:
+            outcome = {"ok": False, "checks": {}, "error": traceback.format_exc()[-3000:]}
+        outcome.update(scenario=name, n=n, ranks=local_ranks(mesh), seconds_total=round(time.time() - t0, 2))
+        print("RESULT " + json.dumps(outcome), flush=True)
+        code |= 0 if outcome["ok"] else 1
+    sys.stdout.flush()
+    os._exit(code)  # skip jax.distributed's shutdown barrier (see gpu_worker.py)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","))

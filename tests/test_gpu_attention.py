@@ -1,0 +1,85 @@
+"""The CP attention layer on a real GPU: bf16 through cuDNN against the float32 unsharded attention,
+the same bits on every run, the overlapped schedule in the compiled program with its negative
+control. N = 1 in one process (device protocol, the transfer's path forced on), and N = 2 and 4
+processes sharing one GPU (stream-memop protocol). Skips, with the reason, without a GPU or a
+CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jax_cpgrad
+import jax_cpgrad._native
+from jax_cpgrad import launch
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention_worker.py")
+
+
+def _need(condition: bool, reason: str):
+    if condition:
+        return
+    if os.environ.get("JAX_CPGRAD_REQUIRE_GPU") == "1":
+        pytest.fail(f"JAX_CPGRAD_REQUIRE_GPU=1 but: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def gpu():
+    _need(jax_cpgrad.HAS_CUDA, "jax_cpgrad was built without CUDA (no nvcc at build time)")
+    _need(launch.visible_gpu_count() > 0, "no NVIDIA GPU visible (nvidia-smi lists none)")
+    _need(
+        jax_cpgrad._native.HAS_TEST_HOOKS, "the slow-owner hooks need a test build (JAX_CPGRAD_TEST_HOOKS=ON)"
+    )
+
+
+def _check(outputs: list[str], scenarios: list[str]):
+    found = {}
+    for rank, output in enumerate(outputs):
+        for line in output.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[7:])
+                found[(res["scenario"], rank)] = res
+    for scenario in scenarios:
+        for rank in range(len(outputs)):
+            res = found.get((scenario, rank))
+            assert res is not None, f"rank {rank} printed no result for {scenario}:\n{outputs[rank][-3000:]}"
+            failed = [name for name, held in res.get("checks", {}).items() if not held]
+            assert res["ok"], f"{scenario}, rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
+
+
+def _one_process(scenarios, protocol: str):
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="0",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        JAX_CPGRAD_TEST_PROTOCOL=protocol,
+    )
+    proc = subprocess.run(
+        [sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True, timeout=600, env=env
+    )
+    _check([proc.stdout + proc.stderr[-3000:]], scenarios)
+
+
+def test_layer_n1_device_protocol(gpu):
+    _one_process(["values", "schedule"], "device")
+
+
+def test_layer_schedule_fails_without_the_dones_wait(gpu):
+    """Negative control: with the dones' waits removed and the owner slowed, results go wrong."""
+    _one_process(["schedule_unjoined"], "device")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_layer_ranks_sharing_one_gpu(gpu, n):
+    scenarios = ["values", "schedule"]
+    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop"}
+    try:
+        results = launch.launch(
+            [sys.executable, WORKER, ",".join(scenarios)], n, timeout_s=600, env=env, echo=False
+        )
+    except launch.LaunchError as err:
+        results = err.results
+    _check([r.output for r in sorted(results, key=lambda r: r.rank)], scenarios)
