@@ -17,10 +17,18 @@ import tempfile
 import jax
 
 # Event names (substrings) by kind, first match wins; everything else on a GPU stream is compute.
+# peer: the device protocol's kernels (ll_*: its small calls as LL words) and the memop protocol's.
 # The parameter gradients' all-reduce is NCCL's in every transport (cp_step.py), so it is counted
 # apart; so are NCCL's other kernels, and memory copies and sets (neither compute nor ours).
 KINDS = {
-    "peer": ("fused_grad_return", "fused_all_gather", "copy_rows", "accumulate_rows"),
+    "peer": (
+        "fused_grad_return",
+        "fused_all_gather",
+        "ll_grad_return",
+        "ll_all_gather",
+        "copy_rows",
+        "accumulate_rows",
+    ),
     "nccl_cp": ("ncclDevKernel_AllGather", "ncclDevKernel_ReduceScatter"),
     "nccl_params": ("ncclDevKernel_AllReduce",),
     "nccl_other": ("nccl",),

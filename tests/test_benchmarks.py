@@ -411,6 +411,7 @@ def test_step_profile_splits_communication_into_hidden_and_exposed():
     assert got["compute_ms"] == per_step(350) and got["compute_streams"] == ["Stream #1"]
     assert got["idle_ms"] == per_step(100)  # [500,600]
     assert got["peer"]["streams"] == ["Stream #7"] and got["peer"]["kernels_per_step"] == 0.5
+    assert step_profile.kind_of("void jax_cpgrad::ll_all_gather<true>") == "peer"  # the LL words
 
 
 def test_the_head_start_survives_compilation():
