@@ -202,7 +202,6 @@ def rank_without_transfer(
     impl = _choose_implementation(implementation, query.dtype, head_dim)
     if impl == "public":
         raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
-    cfg = split_attention.Config(
-        plan=RankPlan(n=n, causal=bool(is_causal)), scale=scale, impl=impl, transfer=NoTransfer(n)
-    )
+    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
+    cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=NoTransfer(n))
     return split_attention.attention(cfg, query, key, value, jnp.asarray(rank, jnp.int32))
