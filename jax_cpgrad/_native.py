@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
+import warnings
+from importlib import metadata
 from types import ModuleType
 
 import jax
 
-from . import _cpgrad_ext as ext
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Where the CUDA build comes from, for the messages below.
+_HOW_TO_GET_CUDA = (
+    "To get the CUDA build: install the prebuilt CUDA wheel (`pip install --no-deps "
+    "jax_cpgrad-*-manylinux_*.whl`, made by `bash scripts/build_wheel.sh` on any Linux machine with "
+    "nvcc or network access), or build from source with a CUDA toolkit: "
+    "`pip install nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl` "
+    "(or set CUDA_HOME), then `JAX_CPGRAD_CUDA=ON pip install .` (ON: the build fails rather than "
+    "fall back to CPU-only)."
+)
+
+
+def _installed_copies() -> list[str]:
+    """Other jax_cpgrad packages on sys.path that have a compiled module (an installed copy)."""
+    found = []
+    for entry in sys.path:
+        package = os.path.join(os.path.abspath(entry or os.getcwd()), "jax_cpgrad")
+        if os.path.abspath(package) != _PACKAGE_DIR and glob.glob(os.path.join(package, "_cpgrad_ext*.so")):
+            found.append(package)
+    return found
+
+
+try:
+    from . import _cpgrad_ext as ext
+except ImportError as err:
+    if glob.glob(os.path.join(_PACKAGE_DIR, "_cpgrad_ext*.so")) or (err.path or "").endswith(".so"):
+        raise  # the module is there but does not load: its own error says why
+    others = _installed_copies()
+    installed = f" An installed copy is at {others[0]}." if others else ""
+    raise ImportError(
+        f"jax_cpgrad is being imported from the source tree at {_PACKAGE_DIR}, which has no compiled "
+        f"module (_cpgrad_ext).{installed} Python looks in the current directory first: run from "
+        "another directory (then the installed copy is imported), or install the source tree in "
+        "editable mode (`pip install -e .`, or `bash scripts/setup.sh`)."
+    ) from err
 
 bench_ext: ModuleType | None
 try:  # the optional benchmark module (CUDA builds with JAX_CPGRAD_BENCHMARKS=ON)
@@ -51,12 +90,53 @@ if HAS_CUDA:
         jax.ffi.register_ffi_target(_target, _stages[_handler_name(_target)], platform="CUDA")
 
 
+def _jax_cuda_plugins() -> list[str]:
+    """JAX's CUDA plugins installed here (found by name, without starting any backend)."""
+    names = ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def cpu_only_note() -> str | None:
+    """What is wrong when this is a CPU-only build on a machine where JAX has a CUDA plugin
+    (a GPU user), or None. Checks installed packages only: it starts no backend."""
+    if HAS_CUDA:
+        return None
+    plugins = _jax_cuda_plugins()
+    if not plugins:
+        return None
+    return (
+        f"jax_cpgrad ({_PACKAGE_DIR}) was built CPU-only (no nvcc was found when it was built), but "
+        f"JAX here has CUDA ({', '.join(plugins)}): a Workspace (the peer transport) cannot be "
+        "created, and calls without one run over XLA collectives. " + _HOW_TO_GET_CUDA
+    )
+
+
 def require_cuda(what: str) -> None:
     """Raise a clear error when the CUDA peer transport was not built."""
-    if not HAS_CUDA:
-        raise RuntimeError(
-            f"{what} needs the CUDA peer transport, but jax_cpgrad was built without CUDA "
-            "(no nvcc was found at build time). Reinstall with a CUDA toolkit available "
-            "(CUDA_HOME, /usr/local/cuda or `pip install nvidia-cuda-nvcc`), or call without a "
-            "workspace to use the XLA transport."
-        )
+    if HAS_CUDA:
+        return
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    seen = (
+        f" JAX sees {len(gpus)} GPU(s) here ({gpus[0].device_kind}), so this is the wrong build for "
+        "this machine."
+        if gpus
+        else ""
+    )
+    raise RuntimeError(
+        f"{what} needs the CUDA peer transport, but jax_cpgrad was built without CUDA "
+        f"({_PACKAGE_DIR}: no nvcc was found at build time).{seen} {_HOW_TO_GET_CUDA} "
+        "Or call without a workspace (workspace=None) to use the XLA transport."
+    )
+
+
+if (_note := cpu_only_note()) is not None:
+    warnings.warn(_note, RuntimeWarning, stacklevel=2)

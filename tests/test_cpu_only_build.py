@@ -1,4 +1,5 @@
-"""A CPU-only build (no nvcc) imports, runs the XLA transport, and says what a GPU call lacks."""
+"""A CPU-only build (no nvcc) imports, runs the XLA transport, and says what a GPU call lacks (and,
+where JAX has a CUDA plugin, warns at import)."""
 
 import os
 import shutil
@@ -10,14 +11,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = """
-import sys
+import sys, warnings
 # An editable install redirects `import jax_cpgrad` through a meta-path finder: take the copy.
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jax_cpgrad as cpg
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import jax_cpgrad as cpg
+for w in caught:
+    print("WARNING:", w.message)
 from jax_cpgrad._native import require_cuda
 assert cpg.HAS_CUDA is False
 mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("cp",))
@@ -56,6 +61,10 @@ def test_cpu_only_build_imports_and_explains_gpu_calls(tmp_path):
     )
     for so in build.glob("_cpgrad_ext*.so"):
         shutil.copy(so, package)
+    # What a JAX GPU user has: a CUDA plugin (its metadata is all the import-time check reads).
+    plugin = tmp_path / "pkg" / "jax_cuda13_plugin-0.11.2.dist-info"
+    plugin.mkdir()
+    (plugin / "METADATA").write_text("Metadata-Version: 2.1\nName: jax-cuda13-plugin\nVersion: 0.11.2\n")
     proc = subprocess.run(
         [sys.executable, "-c", PROBE],
         capture_output=True,
@@ -69,3 +78,6 @@ def test_cpu_only_build_imports_and_explains_gpu_calls(tmp_path):
         "ERROR: jax_cpgrad.Workspace needs the CUDA peer transport, but jax_cpgrad was built without CUDA"
         in proc.stdout
     )
+    assert "JAX_CPGRAD_CUDA=ON pip install ." in proc.stdout and "build_wheel.sh" in proc.stdout
+    # A GPU user (JAX has a CUDA plugin) hears about the CPU-only build at import already.
+    assert "WARNING: jax_cpgrad" in proc.stdout and "jax-cuda13-plugin 0.11.2" in proc.stdout, proc.stdout
