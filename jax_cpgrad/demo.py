@@ -5,7 +5,9 @@
 Picks what the machine has: several GPUs in one process -> both transports (peer and XLA/NCCL),
 one GPU -> N processes sharing it (peer transport only: NCCL refuses duplicate GPUs), no GPU ->
 8 CPU devices and the XLA transport. Prints the loss per step, the difference against the same
-model run unsharded, and the time per step of each transport.
+model run unsharded, and the time per step of each transport, and ends with one line: PASS when
+every transport's first-step gradients match the unsharded model's within the tolerance (exit
+code 0), FAIL otherwise (exit code 1).
 """
 
 from __future__ import annotations
@@ -52,6 +54,20 @@ def _choose_platform(opts) -> str:
     return "cpu"
 
 
+# Largest relative error (max |CP - unsharded| / max |unsharded|, per parameter) the gradients may
+# have. The CP step sums the same terms in another order: in float32 (full-precision matmuls, set
+# below) that moves them by rounding only, about 1e-6; a wrong gradient is off by order 1. In
+# bfloat16 every matmul rounds differently: a few 1e-2.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}
+
+
+def _rel_err(grads, ref_grads) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(float(np.max(np.abs(b))), 1e-30))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)
+    )
+
+
 def _say(*args):
     if jax.process_index() == 0:
         print(*args, flush=True)
@@ -78,7 +94,7 @@ def main(argv=None) -> int:
             print(err)
             return 1
         print(results[0].output, end="")
-        return 0
+        return 0 if "\nPASS: " in "\n" + results[0].output else 1
 
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
@@ -89,6 +105,9 @@ def main(argv=None) -> int:
 
 
 def _run(opts, platform: str) -> int:
+    if opts.dtype == "float32":
+        # GPUs may run float32 matmuls in TF32 by default: take full precision, for the check.
+        jax.config.update("jax_default_matmul_precision", "highest")
     devices = jax.devices()
     n = min(opts.n or len(devices), len(devices))
     mesh = Mesh(np.array(devices[:n]), ("cp",))
@@ -117,7 +136,7 @@ def _run(opts, platform: str) -> int:
     tokens0, targets0 = batches[0]
     with jax.default_device(jax.local_devices()[0]):
         ref_loss, ref_grads = reference_loss_and_grads(params0, tokens0, targets0, cfg)
-    ref_loss, ref_grads = float(ref_loss), jax.tree.map(np.asarray, ref_grads)
+    ref_loss, ref_grads = float(ref_loss), jax.tree.map(lambda g: np.asarray(g, np.float64), ref_grads)
 
     report = []
     for transport in transports:
@@ -127,7 +146,7 @@ def _run(opts, platform: str) -> int:
         step = make_train_step(cfg, mesh, workspace=ws)
         params = replicate(mesh, params0)
         losses, times = [], []
-        diff_loss = diff_grad = None
+        diff_loss = diff_grad = rel_grad = None
         for i, (tokens, targets) in enumerate(batches):
             sharded = shard_batch(mesh, tokens, targets)
             t0 = time.perf_counter()
@@ -142,29 +161,39 @@ def _run(opts, platform: str) -> int:
                     float(np.max(np.abs(a - b)))
                     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads), strict=True)
                 )
+                rel_grad = _rel_err(g, ref_grads)
             note = ", includes compile" if i == 0 else ""
             _say(f"  [{transport}] step {i}: loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms{note})")
         if ws is not None:
             ws.close()
         steady = times[1:] or times
-        report.append((transport, losses, diff_loss, diff_grad, float(np.median(steady))))
+        report.append((transport, losses, diff_loss, diff_grad, float(np.median(steady)), rel_grad))
 
     _say("")
     _say(
         f"{'transport':<10} {'first loss':>10} {'last loss':>10} "
         f"{'|dloss| vs ref':>15} {'max|dgrad| vs ref':>18} {'ms/step':>9}"
     )
-    for transport, losses, dl, dg, t in report:
+    for transport, losses, dl, dg, t, _ in report:
         _say(
             f"{transport:<10} {losses[0]:>10.4f} {losses[-1]:>10.4f} {dl:>15.2e} {dg:>18.2e} {t * 1e3:>9.1f}"
         )
     _say(f"reference (unsharded, one device) first-step loss: {ref_loss:.4f}")
     if shared_gpu:
         _say("note: ranks time-slice one GPU; the times say nothing about NVLink speed.")
-    sys.stdout.flush()
+    tol = TOLERANCE[cfg.dtype]
+    worst = float(np.max([np.nan if r[5] is None else r[5] for r in report]))  # NaN if any is
+    ok = bool(worst <= tol)  # and NaN fails
+    names = " and ".join(r[0] for r in report)
+    _say(
+        f"{'PASS' if ok else 'FAIL'}: CP gradients ({names} transport) "
+        f"{'match' if ok else 'DO NOT match'} the unsharded model "
+        f"(max rel err {worst:.1e} {'<=' if ok else '>'} {tol:.0e})"
+    )
+    code = 0 if ok else 1
     if platform == "gpu-ranks":
-        os._exit(0)  # skip the distributed shutdown barrier
-    return 0
+        launch.finish(code)  # wait for the other ranks, skip the distributed shutdown barrier
+    return code
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ With fewer GPUs than ranks (``--devices share``, chosen automatically), every ra
 the processes time-slice one GPU. That tests correctness of the multi-process peer transport
 (CUDA IPC between the processes) but says nothing about NVLink speed. NCCL refuses to run in
 that mode, so use the numpy oracle there, not XLA collectives.
+
+With ``--devices none`` (chosen where there is no GPU) each rank runs on the CPU, one CPU device
+per process, with XLA's CPU collectives between the processes (gloo). A rank must not exit while
+a computation that talks to the other ranks is still queued (JAX dispatches asynchronously): wait
+for the last step's results on every rank, or end with ``jax_cpgrad.launch.finish()``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def initialize() -> None:
         raise RuntimeError("jax_cpgrad.launch.initialize() must run under `python -m jax_cpgrad.launch`")
     device = os.environ.get(_ENV_DEVICE)
     coordinator = os.environ[_ENV_COORDINATOR]
+    if not device and jax.config.values.get("jax_cpu_collectives_implementation", "gloo") in ("none", ""):
+        # CPU ranks: collectives between the processes over gloo (already the default of recent
+        # jax; set before the backend starts, in every rank).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=int(os.environ[_ENV_NUM]),
@@ -50,6 +59,24 @@ def initialize() -> None:
         # address, and nowhere else (JAX's default binds every interface: "[::]:port").
         coordinator_bind_address=coordinator,
     )
+
+
+def finish(code: int = 0, timeout_s: float = 600.0) -> None:
+    """End this rank: wait for every computation it has queued (the other ranks may need its part
+    of a collective), then for every other rank to get here (rank 0 hosts the coordination
+    service: leaving first would kill the others), flush the output, and exit."""
+    import jax
+
+    from . import _distributed
+
+    for array in jax.live_arrays():
+        array.block_until_ready()
+    jax.effects_barrier()
+    if jax.process_count() > 1:
+        _distributed.barrier("jax_cpgrad/launch/finish", timeout_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rank() -> int:
@@ -134,6 +161,8 @@ def launch(
         rank_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         rank_env.setdefault("NCCL_NVLS_ENABLE", "0")
         rank_env[_ENV_DEVICE] = {"share": "0", "per-rank": str(r)}.get(devices, "")
+        if devices == "none":
+            rank_env.setdefault("JAX_PLATFORMS", "cpu")  # CPU ranks even where there are GPUs
         proc = subprocess.Popen(
             argv,
             env=rank_env,

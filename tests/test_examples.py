@@ -22,6 +22,8 @@ def test_demo_runs_on_cpu_and_matches_the_reference():
     _, first, last, dloss, dgrad, ms = row.split()
     assert float(dloss) < 1e-4 and float(dgrad) < 1e-5, row
     assert float(ms) > 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: CP gradients (xla transport) match the unsharded model (max rel err "), last
 
 
 def _find_nvcc():

@@ -174,3 +174,42 @@ def test_coordinator_listens_on_the_loopback_only(tmp_path):
     assert outcome.get("127.0.0.1") == "accepted", results[0].output[-2000:]
     for addr in addresses:
         assert outcome.get(addr) == "ConnectionRefusedError", (addr, results[0].output[-2000:])
+
+
+def test_cp_training_across_two_cpu_processes(tmp_path):
+    """`python -m jax_cpgrad.launch -n 2 --devices none ...`: a CP training step whose collectives
+    cross the two processes (gloo), equal to the unsharded model, and every rank exits cleanly."""
+    argv = _script(
+        tmp_path,
+        """
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+        from jax_cpgrad import launch
+        launch.initialize()
+        from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch
+        from jax_cpgrad.example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
+
+        cfg = Config(seq_len=256)
+        mesh = Mesh(np.array(jax.devices()), ("cp",))
+        params0 = init_params(cfg, seed=0)
+        batches = [synthetic_batch(cfg, seed=i) for i in range(2)]
+        step = make_train_step(cfg, mesh)
+        params = replicate(mesh, params0)
+        for i, batch in enumerate(batches):
+            params, loss, _ = step(params, *shard_batch(mesh, *batch))
+            print(f"step {i} loss {float(local_value(loss)):.6f}", flush=True)
+        ref, _ = reference_loss_and_grads(params0, *batches[0], cfg)
+        print(f"reference loss {float(ref):.6f} on {len(jax.devices())} devices", flush=True)
+        launch.finish()
+    """,
+    )
+    results = launch.launch(argv, 2, timeout_s=300, devices="none", echo=False)
+    for r in results:
+        lines = dict(line.rsplit(" ", 1) for line in r.output.splitlines() if line.startswith("step "))
+        ref = [line for line in r.output.splitlines() if line.startswith("reference loss")]
+        assert set(lines) == {"step 0 loss", "step 1 loss"}, r.output[-3000:]
+        assert ref and ref[0].endswith("on 2 devices"), r.output[-3000:]
+        reference = float(ref[0].split()[2])
+        assert abs(float(lines["step 0 loss"]) - reference) <= 1e-4 * abs(reference), r.output[-3000:]
+    assert [r.output.count("loss") for r in results] == [3, 3]
