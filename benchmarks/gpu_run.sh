@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a lent multi-GPU machine: build the test build of the package, then run the
+# One command for a multi-GPU machine: build the test build of the package, then run the
 # stages named on the command line, each under its own time limit, and pack every log and JSON
 # into one archive ($OUT/run.tgz; OUT defaults to benchmarks/results/run).
 #
