@@ -9,8 +9,7 @@ transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest ra
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
 bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). Times: the mean of --iters calls in a
-row after warm-up, the best of --reps such runs. --entry-order measures the causal remote part's
-batch entries in either order, side by side (the library's is longer-first).
+row after warm-up, the best of --reps such runs.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_cpgrad.attention import plan, rank_without_transfer
-
-# --entry-order: the causal remote part's batch entries (plan.LONGER_PREFIX_FIRST).
-ENTRY_ORDERS = {"longer-first": True, "as-laid": False}
+from jax_cpgrad.attention import rank_without_transfer
 
 
 def parse_tokens(text: str) -> int:
@@ -98,37 +94,33 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         if chunk < opts.min_chunk or local * n != seq:
             continue
         data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
-        for order in opts.entry_order if n > 1 else ["longer-first"]:
-            plan.LONGER_PREFIX_FIRST = ENTRY_ORDERS[order]  # read when the step is traced
-            step = fwd_bwd(
-                lambda q, k, v, rank, n=n: rank_without_transfer(q, k, v, rank, n, implementation="cudnn")
-            )
-            # One compiled program for every rank: the rank is a runtime value.
-            ranks = sorted({0, n - 1})
-            per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
-            rows.append(_row(seq, kv_heads, n, chunk, order, per_rank, t_full, opts, say))
-        plan.LONGER_PREFIX_FIRST = True
+        step = fwd_bwd(
+            lambda q, k, v, rank, n=n: rank_without_transfer(q, k, v, rank, n, implementation="cudnn")
+        )
+        # One compiled program for every rank: the rank is a runtime value.
+        ranks = sorted({0, n - 1})
+        per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
+        rows.append(_row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say))
         del data
     return rows
 
 
-def _row(seq, kv_heads, n, chunk, order, per_rank, t_full, opts, say) -> dict:
+def _row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say) -> dict:
     t_rank = max(per_rank.values())
     ratio = n * t_rank / t_full
     goal = target(n, chunk)
     mark = "" if goal is None else (" ok" if ratio <= goal else f" MISSES {goal:.2f}")
-    where = f"N={n} chunk {human_tokens(chunk)} {order}"
+    where = f"N={n} chunk {human_tokens(chunk)}"
     say(f"  {where}: rank {t_rank * 1e3:.3f} ms  N x t_rank / t_unsharded = {ratio:.3f}{mark}")
     return dict(
         seq=seq, kv_heads=kv_heads, heads=opts.heads, head_dim=opts.head_dim, n=n, chunk=chunk,
-        entry_order=order, t_unsharded_ms=t_full * 1e3, t_rank_ms=t_rank * 1e3,
+        t_unsharded_ms=t_full * 1e3, t_rank_ms=t_rank * 1e3,
         t_rank_by_rank_ms={str(r): t * 1e3 for r, t in per_rank.items()},
         ratio=ratio, target=goal, meets_target=None if goal is None else ratio <= goal,
     )  # fmt: skip
 
 
-def table(rows: list[dict], order: str = "longer-first") -> str:
-    rows = [r for r in rows if r["entry_order"] == order or r["n"] == 1]
+def table(rows: list[dict]) -> str:
     seqs = sorted({r["seq"] for r in rows})
     kvs = sorted({r["kv_heads"] for r in rows})
     ns = sorted({r["n"] for r in rows})
@@ -151,7 +143,6 @@ def write_png(path: str, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    rows = [r for r in rows if r["entry_order"] == "longer-first"]
     for kv in sorted({r["kv_heads"] for r in rows}):
         for n in sorted({r["n"] for r in rows}):
             pts = sorted((r["seq"], r["ratio"]) for r in rows if r["kv_heads"] == kv and r["n"] == n)
@@ -175,7 +166,6 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--min-chunk", type=int, default=512)
-    p.add_argument("--entry-order", nargs="+", choices=sorted(ENTRY_ORDERS), default=["longer-first"])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json")
@@ -189,8 +179,7 @@ def main(argv=None) -> int:
     for seq in map(parse_tokens, opts.seq):
         for kv in opts.kv_heads:
             rows += measure(seq, kv, opts.n, opts, say)
-    for order in opts.entry_order:
-        say(f"N x t_rank / t_unsharded, entries {order}:\n{table(rows, order)}")
+    say(f"N x t_rank / t_unsharded (ideal 1.00):\n{table(rows)}")
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
         command=" ".join(sys.argv),

@@ -2,7 +2,10 @@
 the same bits on every run, the overlapped schedule in the compiled program with its negative
 control. N = 1 in one process (device protocol, the transfer's path forced on), and N = 2 and 4
 processes sharing one GPU (stream-memop protocol). Skips, with the reason, without a GPU or a
-CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures."""
+CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
+
+The workers run with XLA_FLAGS=--xla_gpu_deterministic_ops=true: cuDNN's attention backward
+otherwise sums dQ with atomics, in an order that changes from run to run."""
 
 import json
 import os
@@ -16,6 +19,7 @@ import jax_cpgrad._native
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention_worker.py")
+DETERMINISTIC = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
 
 
 def _need(condition: bool, reason: str):
@@ -56,6 +60,7 @@ def _one_process(scenarios, protocol: str):
         CUDA_VISIBLE_DEVICES="0",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
         JAX_CPGRAD_TEST_PROTOCOL=protocol,
+        **DETERMINISTIC,
     )
     proc = subprocess.run(
         [sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True, timeout=600, env=env
@@ -75,7 +80,7 @@ def test_layer_schedule_fails_without_the_dones_wait(gpu):
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_ranks_sharing_one_gpu(gpu, n):
     scenarios = ["values", "schedule"]
-    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop"}
+    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop", **DETERMINISTIC}
     try:
         results = launch.launch(
             [sys.executable, WORKER, ",".join(scenarios)], n, timeout_s=600, env=env, echo=False

@@ -24,9 +24,6 @@ import dataclasses
 import jax.numpy as jnp
 
 F32 = jnp.float32
-# The causal remote part's batch entries: chunk 2N-1-r (the longer prefix) before chunk r. cuDNN
-# starts the tiles of earlier entries first, so the long ones do not trail at the end.
-LONGER_PREFIX_FIRST = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,28 +70,23 @@ class RankPlan:
         c = t // 2
         if self.causal:
             keys = (2 * self.n - 1) * c
-            lengths = _ordered(jnp.stack([rank * c, (2 * self.n - 1 - rank) * c]), axis=0)
-            kv_len = jnp.tile(lengths.astype(jnp.int32), b)
+            kv_len = jnp.tile(jnp.stack([rank * c, (2 * self.n - 1 - rank) * c]).astype(jnp.int32), b)
             pair = lambda x: fold(
                 jnp.broadcast_to(x[:, None, :keys], (b, 2, keys, *x.shape[2:])), merged=True
             )
-            return _remote_fold(q), pair(k_glob), pair(v_glob), kv_len
+            return fold(q), pair(k_glob), pair(v_glob), kv_len
         others = self._other_chunks(rank)
         take = lambda x: jnp.take(_chunked(x, 2 * self.n), others, axis=1).reshape(b, -1, *x.shape[2:])
         return q, take(k_glob), take(v_glob), None
 
     def remote_result(self, out, lse):
-        if not self.causal:
-            return out, lse
-        return _remote_unfold(out), _ordered(unfold_lse(lse), axis=2, parts=True)
+        return self.local_result(out, lse) if self.causal else (out, lse)
 
     def remote_query_grad(self, dq):
-        return _remote_unfold(dq) if self.causal else dq
+        return unfold(dq) if self.causal else dq
 
     def remote_cotangents(self, out, lse, d_out):
-        if not self.causal:
-            return out, lse, d_out
-        return _remote_fold(out), fold_lse(_ordered(lse, axis=2, parts=True)), _remote_fold(d_out)
+        return self.local_cotangents(out, lse, d_out) if self.causal else (out, lse, d_out)
 
     def remote_key_grads(self, dk, seq: int, rank):
         """The remote part's key gradient as the rank's gradient of the whole sequence [B, S]
@@ -117,27 +109,6 @@ class RankPlan:
         """The 2N-2 global chunks other than r and 2N-1-r, in order (r < 2N-1-r always)."""
         t = jnp.arange(2 * self.n - 2)
         return t + (t >= rank) + (t >= 2 * self.n - 2 - rank)
-
-
-def _ordered(x, axis: int, parts: bool = False):
-    """The two chunks along ``axis`` in the remote part's entry order (their own inverse).
-    parts=True: ``axis`` holds both chunks back to back, not a pair."""
-    if not LONGER_PREFIX_FIRST:
-        return x
-    if not parts:
-        return jnp.flip(x, axis)
-    half = x.shape[axis] // 2
-    first, second = jnp.split(x, [half], axis=axis)
-    return jnp.concatenate([second, first], axis=axis)
-
-
-def _remote_fold(x):
-    """[B, 2c, ...] -> [2B, c, ...] in the remote part's entry order."""
-    return fold(_ordered(x, axis=1, parts=True))
-
-
-def _remote_unfold(x):
-    return _ordered(unfold(x), axis=1, parts=True)
 
 
 def _chunked(x, parts: int):
