@@ -1,5 +1,7 @@
 #include "symmetric_region.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdio>
@@ -12,15 +14,18 @@
 namespace jax_cpgrad {
 namespace {
 
-std::atomic<int64_t> g_open_ipc_mappings{0};
+std::atomic<int64_t> g_open_peer_mappings{0};
+
+void problems_from(std::vector<std::string> more, std::vector<std::string>& problems) {
+  for (auto& p : more) problems.push_back(std::move(p));
+}
 
 std::string mib(int64_t bytes) { return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MiB"; }
 
-char* allocate(int device, int64_t bytes) {
-  void* ptr = nullptr;
-  cudaError_t err = cudaMalloc(&ptr, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
+std::unique_ptr<VmmMapping> allocate(int device, int64_t bytes, bool exportable) {
+  try {
+    return VmmMapping::allocate(device, bytes, exportable);
+  } catch (const OutOfDeviceMemory&) {
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     throw std::runtime_error(
@@ -30,19 +35,31 @@ char* allocate(int device, int64_t bytes) {
         "JAX computation, or lower XLA_PYTHON_CLIENT_MEM_FRACTION (or set "
         "XLA_PYTHON_CLIENT_PREALLOCATE=false), or ask for a smaller nbytes.");
   }
-  CPG_CUDA_OR_THROW(err);
-  return static_cast<char*>(ptr);
+}
+
+// The driver must offer virtual memory management; exporting as file descriptors is checked
+// when another process asks for it (one process driving several GPUs does without).
+bool check_support(int device) {
+  const VmmSupport support = vmm_support(device);
+  if (!support.vmm)
+    throw std::runtime_error(
+        "jax_cpgrad: GPU " + std::to_string(device) +
+        " does not offer CUDA virtual memory management (cuMemCreate/cuMemMap), which the "
+        "workspace's memory needs; calls without a workspace (the XLA transport) still run");
+  return support.posix_fd;
 }
 
 }  // namespace
 
 SymmetricRegion::SymmetricRegion(int device, int64_t rank, int64_t n, int64_t slot_bytes,
                                  uint32_t initial_epoch)
-    : device_(device), rank_(rank), n_(n) {
+    : device_(device), rank_(rank), n_(n), slot_bytes_(slot_bytes) {
   DeviceGuard guard(device);
   try {
-    header_ = allocate(device, header_bytes(n, slot_bytes));
-    slots_ = allocate(device, slots_bytes(n, slot_bytes));
+    exportable_ = check_support(device);
+    header_mem_ = allocate(device, header_bytes(n, slot_bytes), exportable_);
+    header_ = header_mem_->ptr();
+    slots_mem_ = allocate(device, slots_bytes(n, slot_bytes), exportable_);
     CPG_CUDA_OR_THROW(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     // Control: epoch and flags at the initial epoch, state ok; the LL words filled uniformly (with
     // the same value), which no call can take for an arrived word.
@@ -67,12 +84,13 @@ SymmetricRegion::SymmetricRegion(int device, int64_t rank, int64_t n, int64_t sl
   } catch (...) {
     std::vector<std::string> ignored;  // the allocation error is what the caller needs to see
     release_all_but_header(ignored);
-    if (header_) cudaFree(header_);
+    if (header_mem_) header_mem_->release();
+    header_mem_.reset();
     header_ = nullptr;
     throw;
   }
   peers_.header[rank] = header_;
-  peers_.slots[rank] = slots_;
+  peers_.slots[rank] = slots_mem_->ptr();
 }
 
 SymmetricRegion::~SymmetricRegion() {
@@ -81,7 +99,8 @@ SymmetricRegion::~SymmetricRegion() {
   cudaGetDevice(&previous);
   if (cudaSetDevice(device_) == cudaSuccess) {
     release_all_but_header(problems);
-    if (header_) CPG_CUDA_OR_NOTE(cudaFree(header_), problems);
+    if (header_mem_) problems_from(header_mem_->release(), problems);
+    header_mem_.reset();
     header_ = nullptr;
     cudaSetDevice(previous);
   }
@@ -91,54 +110,65 @@ SymmetricRegion::~SymmetricRegion() {
     std::fprintf(stderr, "jax_cpgrad: releasing a workspace: %s\n", p.c_str());
 }
 
-RegionHandles SymmetricRegion::export_handles() const {
+RegionExport SymmetricRegion::export_memory() const {
+  if (!exportable_)
+    throw std::runtime_error("jax_cpgrad: GPU " + std::to_string(device_) +
+                             " cannot export memory as a file descriptor "
+                             "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is "
+                             "0), which ranks in several processes need");
+  if (!slots_mem_) throw std::logic_error("export_memory() after close()");
   DeviceGuard guard(device_);
-  RegionHandles h;
-  CPG_CUDA_OR_THROW(cudaIpcGetMemHandle(&h.header, header_));
-  CPG_CUDA_OR_THROW(cudaIpcGetMemHandle(&h.slots, slots_));
-  return h;
+  RegionExport out;
+  out.header_bytes = header_mem_->bytes();
+  out.slots_bytes = slots_mem_->bytes();
+  out.header_fd = header_mem_->export_fd();
+  try {
+    out.slots_fd = slots_mem_->export_fd();
+  } catch (...) {
+    ::close(out.header_fd);
+    throw;
+  }
+  return out;
 }
 
 std::string SymmetricRegion::map_same_process(int64_t peer_rank, const SymmetricRegion& peer) {
   if (peer.device_ != device_) {
-    DeviceGuard guard(device_);
     int can = 0;
     cudaDeviceCanAccessPeer(&can, device_, peer.device_);
     if (!can)
       return "GPU " + std::to_string(device_) + " cannot access GPU " +
              std::to_string(peer.device_) + " (no peer-to-peer path)";
-    cudaError_t err = cudaDeviceEnablePeerAccess(peer.device_, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();  // XLA or an earlier workspace enabled it: fine
-    } else if (err != cudaSuccess) {
-      cudaGetLastError();
-      return cudaGetErrorString(err);
+    try {  // one physical allocation, readable and writable by both GPUs
+      peer.header_mem_->grant_access(device_);
+      peer.slots_mem_->grant_access(device_);
+    } catch (const std::exception& e) {
+      return e.what();
     }
   }
   peers_.header[peer_rank] = peer.header_;
-  peers_.slots[peer_rank] = peer.slots_;
+  peers_.slots[peer_rank] = peer.slots_mem_->ptr();
   return "";
 }
 
-std::string SymmetricRegion::map_other_process(int64_t peer_rank, const RegionHandles& handles) {
-  DeviceGuard guard(device_);
-  void* mapped[2] = {nullptr, nullptr};
-  const cudaIpcMemHandle_t* both[2] = {&handles.header, &handles.slots};
-  for (int i = 0; i < 2; ++i) {
-    cudaError_t err = cudaIpcOpenMemHandle(&mapped[i], *both[i], cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      if (i == 1) {
-        cudaIpcCloseMemHandle(mapped[0]);
-        --g_open_ipc_mappings;
-      }
-      return std::string("cudaIpcOpenMemHandle failed: ") + cudaGetErrorString(err);
-    }
-    ipc_mapped_.push_back(mapped[i]);
-    ++g_open_ipc_mappings;
+std::string SymmetricRegion::map_other_process(int64_t peer_rank, const RegionExport& peer) {
+  // The sizes came with the descriptors; a smaller region would let calls write past its end.
+  const int64_t need_header = header_bytes(n_, slot_bytes_),
+                need_slots = slots_bytes(n_, slot_bytes_);
+  if (peer.header_bytes < need_header || peer.slots_bytes < need_slots)
+    return "its memory (" + std::to_string(peer.header_bytes) + " + " +
+           std::to_string(peer.slots_bytes) + " bytes) is smaller than this workspace needs (" +
+           std::to_string(need_header) + " + " + std::to_string(need_slots) + ")";
+  try {
+    auto header = VmmMapping::import_fd(device_, peer.header_fd, peer.header_bytes);
+    auto slots = VmmMapping::import_fd(device_, peer.slots_fd, peer.slots_bytes);
+    peers_.header[peer_rank] = header->ptr();
+    peers_.slots[peer_rank] = slots->ptr();
+    peer_mem_.push_back(std::move(header));
+    peer_mem_.push_back(std::move(slots));
+    g_open_peer_mappings += 2;
+  } catch (const std::exception& e) {
+    return std::string("mapping its memory failed: ") + e.what();
   }
-  peers_.header[peer_rank] = static_cast<char*>(mapped[0]);
-  peers_.slots[peer_rank] = static_cast<char*>(mapped[1]);
   return "";
 }
 
@@ -194,15 +224,15 @@ std::vector<std::string> SymmetricRegion::close() {
 }
 
 void SymmetricRegion::release_all_but_header(std::vector<std::string>& problems) {
-  for (void* p : ipc_mapped_) {
-    CPG_CUDA_OR_NOTE(cudaIpcCloseMemHandle(p), problems);
-    --g_open_ipc_mappings;
+  for (auto& m : peer_mem_) {
+    problems_from(m->release(), problems);
+    --g_open_peer_mappings;
   }
-  ipc_mapped_.clear();
-  if (slots_) CPG_CUDA_OR_NOTE(cudaFree(slots_), problems);
+  peer_mem_.clear();
+  if (slots_mem_) problems_from(slots_mem_->release(), problems);
+  slots_mem_.reset();
   if (report_) CPG_CUDA_OR_NOTE(cudaFreeHost(report_), problems);
   if (side_stream_) CPG_CUDA_OR_NOTE(cudaStreamDestroy(side_stream_), problems);
-  slots_ = nullptr;
   report_ = report_dev_ = nullptr;
   side_stream_ = nullptr;
   for (int64_t r = 0; r < n_; ++r) {
@@ -211,6 +241,6 @@ void SymmetricRegion::release_all_but_header(std::vector<std::string>& problems)
   peers_.slots[rank_] = nullptr;
 }
 
-int64_t open_ipc_mappings() { return g_open_ipc_mappings.load(); }
+int64_t open_peer_mappings() { return g_open_peer_mappings.load(); }
 
 }  // namespace jax_cpgrad

@@ -1,7 +1,9 @@
 """The jax.distributed key-value store: the one private JAX import of this package.
 
-Workspaces use it to exchange CUDA IPC handles and to agree on errors, so that a problem seen by
-one process is raised by every process instead of leaving the others waiting.
+Workspaces use it to agree on their arguments and on errors, so that a problem seen by one process
+is raised by every process instead of leaving the others waiting, and to publish the public facts
+(pids, socket paths) with which the processes of a host pass each other their memory. The store is
+unauthenticated: nothing published here may be a capability.
 """
 
 from __future__ import annotations
@@ -43,8 +45,20 @@ def collect(key: str, timeout_s: float) -> list:
                 "(see its output), or do the processes not create the workspace with the same "
                 "arguments, in the same order?"
             ) from err
-        out.append(json.loads(raw))
+        out.append(_decode(key, p, raw))
     return out
+
+
+def _decode(key: str, p: int, raw) -> object:
+    """Process ``p``'s value; every process reads the same bytes, so a bad entry fails them all alike."""
+    try:
+        return json.loads(raw)
+    except (ValueError, TypeError) as err:  # UnicodeDecodeError is a ValueError
+        raise RuntimeError(
+            f"jax_cpgrad: process {p}'s entry '{key}/{p}' in the jax.distributed key-value store is "
+            f"not JSON ({err}; {len(raw)} bytes): was it truncated, or written by something other "
+            "than jax_cpgrad?"
+        ) from err
 
 
 def exchange(key: str, value, timeout_s: float) -> list:

@@ -1,5 +1,5 @@
 """The collective set-up of a workspace: what every process must agree on before and while the
-native memory is created, and the exchange that connects every GPU to its peers' memory.
+native memory is created, and the connection of every GPU to its peers' memory.
 
 Every function here is collective in a multi-process job: every process calls it, in the same
 order, and a problem seen by one process is raised by all of them (instead of leaving the others
@@ -13,7 +13,9 @@ import socket
 import numpy as np
 
 from . import _distributed
+from ._memory_exchange import MemoryExchange
 from ._native import ext
+from ._peer_memory import PeerMemoryError
 
 SETUP_TIMEOUT_S = 300.0
 
@@ -68,52 +70,47 @@ def resolve_protocol(requested: str, shared: list[str]) -> str:
 def publish_failure(key: str, err: BaseException) -> None:
     """Tell the other processes that this one could not create its part (they raise at once)."""
     if _distributed.is_multiprocess():
-        _distributed.publish(f"{key}/handles", {"error": f"{type(err).__name__}: {err}"})
+        _distributed.publish(f"{key}/peers", {"error": f"{type(err).__name__}: {err}"})
 
 
 def connect(native, key: str, name: str, local_devices: list, groups: dict, pci_of: dict[int, str]) -> None:
-    """Exchange the regions' IPC handles, map every peer's memory on every local GPU, agree on
-    the problems, and activate the workspace. Raises RuntimeError (on every process) when some
-    peers cannot reach each other by peer memory."""
-    local_index = {d: i for i, d in enumerate(local_devices)}
-    handles = native.ipc_handles()
-    multi = _distributed.is_multiprocess()
-    remote = {}
-    if multi:
-        mine = {
-            str(d.id): [socket.gethostname(), h.hex()] for d, h in zip(local_devices, handles, strict=True)
-        }
-        for p, entries in enumerate(
-            _distributed.exchange(f"{key}/handles", {"devices": mine}, SETUP_TIMEOUT_S)
-        ):
-            if "error" in entries:
-                raise RuntimeError(
-                    f"jax_cpgrad: process {p} could not create its part of workspace "
-                    f"{name!r}: {entries['error']}"
-                )
-            remote.update({int(k): v for k, v in entries["devices"].items()})
-    problems: list[str] = []
-    peers: list[list[int | bytes]] = []
-    for d in local_devices:
-        rank, group = groups[d]
-        row: list[int | bytes] = []
-        for r, peer in enumerate(group):
-            if peer in local_index:
-                row.append(local_index[peer])
-                continue
-            host, handle = remote[peer.id]
-            if host != socket.gethostname():
-                problems.append(
-                    f"CP rank {rank} on {socket.gethostname()} -> CP rank {r} on {host}: another host"
-                )
-            elif reason := ext.peer_unreachable_reason(d.local_hardware_id, pci_of[peer.id]):
-                problems.append(f"CP rank {rank} -> CP rank {r}: {reason}")
-            row.append(bytes.fromhex(handle))
-        peers.append(row)
-    if not problems:
-        problems = native.connect(peers)
-    if multi:
+    """Map every peer's memory on every local GPU (peers in other processes pass theirs over a
+    private socket: _memory_exchange), agree on the problems, and activate the workspace. Raises
+    RuntimeError (on every process) when some peers cannot reach each other by peer memory."""
+    local = {d: i for i, d in enumerate(local_devices)}
+    if not _distributed.is_multiprocess():
+        _raise_or_activate(native, native.connect([[local[p] for p in groups[d][1]] for d in local_devices]))
+        return
+    # Every device of the mesh is a key of `groups`.
+    with MemoryExchange(native, key, name, local_devices, list(groups), SETUP_TIMEOUT_S) as exchange:
+        problems: list[str] = []
+        peers: list[list[int | tuple[int, int, int, int]]] = []
+        for d in local_devices:
+            rank, group = groups[d]
+            row: list[int | tuple[int, int, int, int]] = []
+            for r, peer in enumerate(group):
+                if peer in local:
+                    row.append(local[peer])
+                elif (host := exchange.host_of(peer.id)) != socket.gethostname():
+                    problems.append(
+                        f"CP rank {rank} on {socket.gethostname()} -> CP rank {r} on {host}: another host"
+                    )
+                elif reason := ext.peer_unreachable_reason(d.local_hardware_id, pci_of[peer.id]):
+                    problems.append(f"CP rank {rank} -> CP rank {r}: {reason}")
+                else:
+                    try:
+                        row.append(exchange.memory_of(peer.id))
+                    except PeerMemoryError as err:
+                        problems.append(f"CP rank {rank} -> CP rank {r}: {err}")
+            peers.append(row)
+        if not problems:
+            problems = native.connect(peers)
+        # Also the barrier after which no process fetches any more: the sockets may close.
         problems = sum(_distributed.exchange(f"{key}/problems", problems, SETUP_TIMEOUT_S), [])
+    _raise_or_activate(native, problems)
+
+
+def _raise_or_activate(native, problems: list[str]) -> None:
     if problems:
         raise RuntimeError(
             "jax_cpgrad: these CP peers cannot reach each other by peer memory, so the peer "

@@ -26,6 +26,9 @@ DEFAULT_TIMEOUT_S = 600.0  # like NCCL's and PyTorch's default collective timeou
 # them pushing and half finishing. On 2 H200s (README "Results") that was the fastest of the
 # budgets swept from 64 KiB to 1 GiB; lower sm_budget to leave SMs to kernels XLA runs beside it.
 DEFAULT_PUSH_SHARE = 0.5
+# How processes pass each other their memory: file descriptors over a private socket, between the
+# processes of one host (docs/peer-memory.md); "fabric" handles are detected, not exchanged yet.
+HANDLE_TYPES = ("posix_fd", "fabric")
 _creation_counter = itertools.count()
 _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 
@@ -43,7 +46,9 @@ def _default_timeout() -> float:
     return float(os.environ.get("JAX_CPGRAD_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap) -> int:
+def _check_arguments(
+    mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap, handle_type
+) -> int:
     """ValueError for arguments no process could use; returns N."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
@@ -59,6 +64,8 @@ def _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, o
         raise ValueError(f"on_timeout must be 'raise' or 'abort', got {on_timeout!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    if handle_type not in HANDLE_TYPES:
+        raise ValueError(f"handle_type must be one of {HANDLE_TYPES}, got {handle_type!r}")
     n = int(mesh.shape[axis_name])
     if n > MAX_RANKS:
         raise ValueError(f"the {axis_name!r} axis has {n} devices; at most {MAX_RANKS} are supported")
@@ -83,6 +90,28 @@ def _device_blocks(
     budget = min(sm_budget or (max(2, sms // 2) if overlap else sms), sms)
     share = push_share or DEFAULT_PUSH_SHARE
     return budget, budget if share >= 1 else max(1, min(budget - 1, round(budget * share)))
+
+
+def _fabric_support(local_devices) -> bool:
+    return all(ext.memory_support(d.local_hardware_id)["fabric"] for d in local_devices)
+
+
+def _check_handle_type(handle_type: str, fabric_supported: bool) -> None:
+    """Raise where this process cannot pass its memory the way asked (every process then raises)."""
+    if handle_type == "posix_fd":
+        return
+    if not fabric_supported:
+        raise RuntimeError(
+            "jax_cpgrad: handle_type='fabric' needs GPUs that export fabric handles "
+            "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: hosts of one NVLink domain with IMEX, "
+            "e.g. GB200 NVL72), and this process's GPUs do not; use handle_type='posix_fd' (the "
+            "default) between the processes of one host"
+        )
+    raise NotImplementedError(
+        "jax_cpgrad: handle_type='fabric': these GPUs export fabric handles, but jax_cpgrad does not "
+        "exchange them between hosts yet (docs/peer-memory.md says how it would); use "
+        "handle_type='posix_fd' (the default) between the processes of one host"
+    )
 
 
 class Workspace:
@@ -118,6 +147,12 @@ class Workspace:
         device-protocol calls that may run at once (this workspace's and another's, placed
         between a start and its done) within the GPU's SMs. Off by default: that it pays has not
         been measured on GPUs with their own links yet (README, Results).
+      handle_type: how the processes of the job pass each other their workspace memory:
+        ``"posix_fd"`` (default: file descriptors over a Unix socket that only this user's
+        processes of the job may use, between the processes of one host) or ``"fabric"``
+        (``CU_MEM_HANDLE_TYPE_FABRIC``, hosts of one NVLink domain): fails with a clear error where
+        the GPUs cannot export fabric handles, and with NotImplementedError where they can (the
+        exchange between hosts is not built; docs/peer-memory.md). ``fabric_supported`` says which.
     """
 
     def __init__(
@@ -133,8 +168,11 @@ class Workspace:
         push_share: float | None = None,
         on_timeout: str = "raise",
         overlap: bool = False,
+        handle_type: str = "posix_fd",
     ):
-        n = _check_arguments(mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap)
+        n = _check_arguments(
+            mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap, handle_type
+        )
         nbytes = int(nbytes)
         require_cuda("jax_cpgrad.Workspace")
         self._closed = True
@@ -157,12 +195,15 @@ class Workspace:
             push_share,
             on_timeout,
             overlap,
+            handle_type,
             [d.id for d in mesh.devices.flat],
         ]
         self._pci_of = _setup.gpu_ids(key, arguments, self._local)  # agreed before allocating
         resolved = _setup.resolve_protocol(protocol, _setup.shared_gpus(groups, self._pci_of))
         budget, push_blocks = _device_blocks(self._local, sm_budget, push_share, overlap)
         try:
+            self._fabric_supported = _fabric_support(self._local)
+            _check_handle_type(handle_type, self._fabric_supported)
             native = ext.NativeWorkspace(
                 name,
                 n,
@@ -232,6 +273,13 @@ class Workspace:
     def protocol(self) -> str:
         """ "device" or "memop": the protocol this workspace runs (``protocol="auto"`` resolved)."""
         return self.spec.protocol
+
+    @property
+    def fabric_supported(self) -> bool:
+        """Whether every GPU of this process can export its memory as a fabric handle
+        (``CU_MEM_HANDLE_TYPE_FABRIC``), the way ranks on several hosts of one NVLink domain would
+        share memory (docs/peer-memory.md); ``handle_type="fabric"`` is refused where not."""
+        return self._fabric_supported
 
     @property
     def closed(self) -> bool:

@@ -408,7 +408,7 @@ def soak(mesh, n):
 
 
 def lifecycle(mesh, n):
-    """1,000 create/close cycles leak no device memory and no IPC mappings; each workspace works."""
+    """1,000 create/close cycles leak no device memory and no peer mappings; each workspace works."""
     from jax_cpgrad._native import ext
 
     shape, seq = (1, 4 * n, 2, 64), 1
@@ -427,24 +427,24 @@ def lifecycle(mesh, n):
 
     ok_calls = one_cycle(True)
     free_before = ext.device_memory(device)[0]
-    mappings_before = ext.open_ipc_mappings()
+    mappings_before = ext.open_peer_mappings()
     t0 = time.time()
     for i in range(1000):
         ok_calls &= one_cycle(check=i % 100 == 0)
     elapsed = time.time() - t0
     free_after = ext.device_memory(device)[0]
-    mappings_after = ext.open_ipc_mappings()
+    mappings_after = ext.open_peer_mappings()
     return result(
         {
             "calls_right": ok_calls,
-            "no_ipc_mapping_left": mappings_after == mappings_before == 0,
+            "no_peer_mapping_left": mappings_after == mappings_before == 0,
             "no_device_memory_drift": free_before - free_after < (64 << 20),
         },
         cycles=1000,
         seconds=round(elapsed, 1),
         free_mib_before=free_before >> 20,
         free_mib_after=free_after >> 20,
-        open_ipc_mappings_after=mappings_after,
+        open_peer_mappings_after=mappings_after,
     )
 
 
@@ -695,6 +695,152 @@ def dead_peer(mesh, n):
     )
 
 
+def _grad_return_right(mesh, n, ws, seed) -> bool:
+    """One checked grad_return call on `ws` (exact small integers): is every local result right?"""
+    shape, seq = (1, 8 * n, 2, 32), 1
+    base = _integer_data(n, shape, seed)
+    out = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))(base)
+    want = grad_return_oracle(list(base), n, seq)
+    return all(np.array_equal(v, want[r]) for r, v in out.items())
+
+
+def intruder(mesh, n):
+    """A process of another user (JAX_CPGRAD_TEST_INTRUDER, made by test_gpu.py as root) that knows
+    everything in the key-value store tries, while the ranks pass each other their memory, to get
+    it: through the sockets (their directories are private), /proc/PID/fd and pidfd_getfd; then,
+    with rank 0's socket directory opened to everyone (as if its protection had failed), through
+    rank 0's socket, whose credentials check must refuse it. The job goes on unharmed and rank 0
+    warns, naming the intruder."""
+    import warnings
+
+    import intruder as intruder_script
+    from jax_cpgrad import _memory_exchange
+
+    me = local_ranks(mesh)[0]
+    user = os.environ["JAX_CPGRAD_TEST_INTRUDER"]
+    reports: dict = {}
+
+    def hook(facts):
+        reports["closed"] = intruder_script.run_as(user, facts)
+        directory = os.path.dirname(facts[me]["socket"])
+        os.chmod(directory, 0o755)  # the protection the credentials check stands behind, removed
+        os.chmod(facts[me]["socket"], 0o777)
+        try:
+            reports["opened"] = intruder_script.run_as(user, facts)
+        finally:
+            os.chmod(directory, 0o700)
+
+    if me == 0:
+        _memory_exchange.serving_hook = hook
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ws = workspace(mesh, 1 << 16, name="intruded")
+    finally:
+        _memory_exchange.serving_hook = None
+    with ws:
+        right = all(_grad_return_right(mesh, n, ws, 20 + i) for i in range(3))
+    if me != 0:
+        return result({"calls_right_after": right})
+    closed, opened = reports.get("closed", {}), reports.get("opened", {})
+    if "could_not_run" in closed:
+        return result({"intruder_ran": False}, skip=f"the intruder could not run: {closed['could_not_run']}")
+    warned = [str(w.message) for w in caught if "refused its memory" in str(w.message)]
+    intruder_id = f"pid {opened.get('pid')} (uid {opened.get('uid')})"
+    sockets = [a["socket"] for a in closed["attempts"].values()]
+    own = opened["attempts"]["0"]["socket"]
+    return result(
+        {
+            "intruder_is_another_user": closed["uid"] != os.getuid(),
+            "sockets_closed_to_it": all(not a["connected"] and a["error"] == "EACCES" for a in sockets),
+            "proc_fd_denied": all(not a["proc_fd"]["listed"] for a in closed["attempts"].values()),
+            "pidfd_getfd_denied": all(not a["pidfd_getfd"].get("fds") for a in closed["attempts"].values()),
+            "open_socket_reached_the_server": own["connected"],
+            "open_socket_sent_nothing": own.get("bytes") == 0 and not own.get("fds"),
+            "no_descriptor_obtained": closed["obtained_fds"] == opened["obtained_fds"] == 0,
+            "warning_names_the_intruder": any(intruder_id in w for w in warned),
+            "calls_right_after": right,
+        },
+        closed=closed,
+        opened=opened,
+        warnings=warned,
+    )
+
+
+def bad_store_entries(mesh, n):
+    """The last process publishes a truncated, then a bogus (wrong pid) entry for its workspace's
+    facts: every process raises a clear error naming that process's entry, at once; a workspace
+    created afterwards works."""
+    from jax_cpgrad import _distributed
+
+    me = jax.process_index()
+    bad_rank = jax.process_count() - 1
+    real_publish = _distributed.publish
+    outcomes = {}
+    for corruption in ("truncated", "bogus"):
+
+        def publish(key, value, corruption=corruption):
+            if not key.endswith("/peers") or me != bad_rank:
+                return real_publish(key, value)
+            raw = json.dumps(value).encode()
+            bad = (
+                raw[: len(raw) // 2]
+                if corruption == "truncated"
+                else json.dumps({**value, "pid": "x"}).encode()
+            )
+            _distributed._client().key_value_set_bytes(f"{key}/{me}", bad)
+
+        _distributed.publish = publish
+        t0 = time.monotonic()
+        try:
+            workspace(mesh, 1 << 16, name=f"bad-{corruption}").close()
+            outcomes[corruption] = ("no error", time.monotonic() - t0)
+        except RuntimeError as err:
+            outcomes[corruption] = (str(err), time.monotonic() - t0)
+        finally:
+            _distributed.publish = real_publish
+    with workspace(mesh, 1 << 16, name="after-bad-entries") as ws:
+        right = _grad_return_right(mesh, n, ws, 30)
+    entry = f"process {bad_rank}'s entry"
+    return result(
+        {
+            "truncated_named": entry in outcomes["truncated"][0] and "not JSON" in outcomes["truncated"][0],
+            "bogus_named": entry in outcomes["bogus"][0] and "pid 'x'" in outcomes["bogus"][0],
+            "at_once": all(seconds < 60 for _, seconds in outcomes.values()),
+            "next_workspace_works": right,
+        },
+        errors={k: v[0][:500] for k, v in outcomes.items()},
+    )
+
+
+def fabric(mesh, n):
+    """Workspace.fabric_supported says what the driver says (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_
+    SUPPORTED); handle_type="fabric" fails clearly either way (unsupported, or not exchanged yet),
+    before anything is allocated; a default workspace afterwards works."""
+    from jax_cpgrad._native import ext
+
+    support = [ext.memory_support(d.local_hardware_id) for d in jax.local_devices()]
+    supported = all(s["fabric"] for s in support)
+    try:
+        workspace(mesh, 1 << 16, name="fabric", handle_type="fabric").close()
+        error = "no error"
+    except (RuntimeError, NotImplementedError) as err:
+        error = f"{type(err).__name__}: {err}"
+    with workspace(mesh, 1 << 16, name="after-fabric") as ws:
+        reported = ws.fabric_supported
+        right = _grad_return_right(mesh, n, ws, 40)
+    expected = "does not exchange them" if supported else "this process's GPUs do not"
+    return result(
+        {
+            "property_matches_the_driver": reported == supported,
+            "fabric_request_fails_clearly": expected in error,
+            "default_workspace_works": right,
+        },
+        memory_support=support,
+        error=error[:500],
+    )
+
+
 # The overlap scenarios slow the owner far more than the race tests do: each call must outlast the
 # work beside it and the reads after its done.
 OVERLAP_SLOW_OWNER_NS = 200_000
@@ -822,6 +968,9 @@ SCENARIOS = {
     "mismatch": mismatch,
     "exit_open": exit_open,
     "allocation_failure": allocation_failure,
+    "intruder": intruder,
+    "bad_store_entries": bad_store_entries,
+    "fabric": fabric,
 }
 
 

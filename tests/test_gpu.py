@@ -1,5 +1,6 @@
-"""The peer transport on real GPUs: multi-process (CUDA IPC) through the launcher, one process
-per CP rank; several ranks share one GPU when there are fewer GPUs than ranks (DEVICE.md).
+"""The peer transport on real GPUs: multi-process (memory passed as file descriptors over a private
+socket) through the launcher, one process per CP rank; several ranks share one GPU when there are
+fewer GPUs than ranks (DEVICE.md). The security tests also need root (they add a second user).
 
 Skips, with the reason, where there is no GPU or no CUDA build. Set JAX_CPGRAD_REQUIRE_GPU=1 to
 turn those skips into failures (the GPU machine does, so a suite that should run cannot hide).
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+import intruder
 import jax_cpgrad
 import jax_cpgrad._native
 from jax_cpgrad import launch
@@ -172,6 +174,37 @@ def test_two_workspaces_on_two_axes_stay_independent(gpu):
     _assert_all_ok(_run(4, ["independent"], timeout_s=300), 4, ["independent"])
 
 
+def _intruder_user() -> str:
+    """The second user (intruder.py); skips with the reason where there can be none (not root: a
+    property of the machine, so even with REQUIRE_GPU)."""
+    try:
+        return intruder.ensure_user()
+    except LookupError as why:
+        pytest.skip(str(why))
+
+
+def test_another_user_knowing_the_store_cannot_get_the_workspace_memory(gpu):
+    """Another user's process, given everything the key-value store holds, tries the ranks'
+    sockets, /proc/PID/fd and pidfd_getfd while they pass their memory; then rank 0's socket with
+    its directory opened (its credentials check must refuse). It obtains no descriptor, the job
+    goes on with every call right, and rank 0 warns naming the intruder's pid."""
+    user = _intruder_user()
+    found = _run(2, ["intruder"], timeout_s=300, env={"JAX_CPGRAD_TEST_INTRUDER": user})
+    if skip := found.get(("intruder", 0), {}).get("skip"):
+        pytest.skip(skip)
+    _assert_all_ok(found, 2, ["intruder"])
+
+
+def test_bad_store_entries_fail_every_process_clearly(gpu):
+    """A truncated, then a bogus entry of one process: every process raises at once, naming that
+    process's entry; no crash, no hang, and the next workspace works."""
+    _assert_all_ok(_run(2, ["bad_store_entries"], timeout_s=300), 2, ["bad_store_entries"])
+
+
+def test_fabric_support_is_reported_and_a_fabric_request_fails_clearly(gpu):
+    _run_in_one_process(["fabric"], timeout_s=300, CUDA_VISIBLE_DEVICES="0")
+
+
 def _run_in_one_process(scenarios, timeout_s, **env):
     """The worker as a single process over every GPU it sees; fails unless every scenario is ok."""
     import subprocess
@@ -197,7 +230,8 @@ def _run_in_one_process(scenarios, timeout_s, **env):
 @pytest.mark.parametrize("overlap", ["0", "1"])
 @pytest.mark.parametrize("protocol", ["device", "memop"])
 def test_single_process_multi_gpu(gpu, protocol, overlap):
-    """One process driving every visible GPU: raw peer pointers and peer access, no IPC; with
+    """One process driving every visible GPU: each GPU granted access to the others' memory, no
+    descriptors passed; with
     overlap, every call a pair on the workspaces' streams (one per GPU)."""
     if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
         pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")

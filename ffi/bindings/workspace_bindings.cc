@@ -1,6 +1,6 @@
 // Thin nanobind face of the CUDA side: a NativeWorkspace holds one shared WorkspaceState and
-// forwards to it; the handler capsules and their state type; small device queries; test hooks
-// (test builds only).
+// forwards to it; the handler capsules and their state type; small device queries (peer paths,
+// what the driver offers for peer memory); test hooks (test builds only).
 #include "workspace_bindings.h"
 
 #include <cuda_runtime.h>
@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstddef>
@@ -15,12 +16,14 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <variant>
 #include <vector>
 
 #include "cuda_check.h"
 #include "driver_api.h"
 #include "handlers.h"
+#include "vmm_memory.h"
 #include "watchdog.h"
 #include "workspace_state.h"
 #include "xla/ffi/api/c_api.h"
@@ -36,13 +39,17 @@ namespace {
 
 std::atomic<int64_t> g_next_id{1};
 
+// A region's memory as Python passes it between processes: (header fd, header bytes, slots fd,
+// slots bytes).
+using ExportTuple = std::tuple<int, int64_t, int, int64_t>;
+
 Protocol parse_protocol(const std::string& name) {
   if (name == "device") return Protocol::kDevice;
   if (name == "memop") return Protocol::kStreamMemops;
   throw std::invalid_argument("protocol must be 'device' or 'memop', got '" + name + "'");
 }
 
-// The Python handle of a workspace. Python builds it in steps (allocate here, export handles,
+// The Python handle of a workspace. Python builds it in steps (allocate here, export memory,
 // connect to the peers, activate), and closes it in two (begin_close, a barrier of every process,
 // finish_close) before dropping it, so that a closed workspace holds no native object.
 class NativeWorkspace {
@@ -84,19 +91,31 @@ class NativeWorkspace {
   }
   int64_t slot_bytes() const { return state_->config.slot_bytes; }
 
-  std::vector<nb::bytes> ipc_handles() const {
-    std::vector<nb::bytes> out;
-    for (const auto& m : state_->members) {
-      const RegionHandles h = m->region.export_handles();
-      out.emplace_back(reinterpret_cast<const char*>(&h), sizeof(h));
+  // Per local GPU: (header fd, header bytes, slots fd, slots bytes), new descriptors of its memory
+  // for the job's other processes on this host; the caller closes them.
+  std::vector<ExportTuple> export_memory() const {
+    std::vector<ExportTuple> out;
+    try {
+      for (const auto& m : state_->members) {
+        const RegionExport e = m->region.export_memory();
+        out.emplace_back(e.header_fd, e.header_bytes, e.slots_fd, e.slots_bytes);
+      }
+    } catch (...) {  // a later GPU failed: the descriptors already made go nowhere
+      for (const auto& [header_fd, h, slots_fd, s] : out) {
+        ::close(header_fd);
+        ::close(slots_fd);
+      }
+      throw;
     }
     return out;
   }
 
-  // For each local member, for each CP rank: the index of a local member, or the IPC handles of a
-  // region in another process. Returns one line per pair that could not be connected.
+  // For each local member, for each CP rank: the index of a local member, or the memory of a
+  // region in another process as export_memory() gave it there (descriptors received by this
+  // process, left open: the caller closes them). Returns one line per pair that could not be
+  // connected.
   std::vector<std::string> connect(
-      const std::vector<std::vector<std::variant<int64_t, nb::bytes>>>& peers) {
+      const std::vector<std::vector<std::variant<int64_t, ExportTuple>>>& peers) {
     if (peers.size() != state_->members.size())
       throw std::invalid_argument("one peer list per local device");
     std::vector<std::string> problems;
@@ -109,11 +128,10 @@ class NativeWorkspace {
         if (const int64_t* local = std::get_if<int64_t>(&peers[i][r])) {
           problem = region.map_same_process(r, state_->members.at(*local)->region);
         } else {
-          const nb::bytes& blob = std::get<nb::bytes>(peers[i][r]);
-          RegionHandles handles;
-          if (blob.size() != sizeof(handles)) throw std::invalid_argument("bad IPC handle size");
-          std::memcpy(&handles, blob.c_str(), sizeof(handles));
-          problem = region.map_other_process(r, handles);
+          RegionExport e;
+          std::tie(e.header_fd, e.header_bytes, e.slots_fd, e.slots_bytes) =
+              std::get<ExportTuple>(peers[i][r]);
+          problem = region.map_other_process(r, e);
         }
         if (!problem.empty()) {
           problems.push_back("CP rank " + std::to_string(region.rank()) + " (GPU " +
@@ -298,7 +316,7 @@ void bind_workspace(nb::module_& m) {
       .def_prop_ro("id", &NativeWorkspace::id)
       .def_prop_ro("bytes_per_device", &NativeWorkspace::bytes_per_device)
       .def_prop_ro("slot_bytes", &NativeWorkspace::slot_bytes)
-      .def("ipc_handles", &NativeWorkspace::ipc_handles)
+      .def("export_memory", &NativeWorkspace::export_memory)
       .def("connect", &NativeWorkspace::connect)
       .def("activate", &NativeWorkspace::activate)
       .def("begin_close", &NativeWorkspace::begin_close, nb::call_guard<nb::gil_scoped_release>())
@@ -317,7 +335,18 @@ void bind_workspace(nb::module_& m) {
   m.def("pci_bus_id", &pci_bus_id, nb::arg("device"));
   m.def("multiprocessor_count", &multiprocessor_count, nb::arg("device"));
   m.def("device_memory", &device_memory, nb::arg("device"));
-  m.def("open_ipc_mappings", &open_ipc_mappings);
+  m.def("open_peer_mappings", &open_peer_mappings);
+  m.def(
+      "memory_support",
+      [](int device) {
+        const VmmSupport s = vmm_support(device);
+        nb::dict d;
+        d["vmm"] = s.vmm;
+        d["posix_fd"] = s.posix_fd;
+        d["fabric"] = s.fabric;
+        return d;
+      },
+      nb::arg("device"));
   m.def("watchdog_stop", &watchdog_stop, nb::call_guard<nb::gil_scoped_release>());
   m.def("handlers", [] {
     nb::dict d;
