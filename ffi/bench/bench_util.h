@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
 
 #include "call_plan.h"
 #include "cuda_check.h"
+#include "vmm_memory.h"
 
 namespace jax_cpgrad {
 
@@ -19,6 +23,27 @@ struct DeviceBuffer {
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* ptr = nullptr;
+};
+
+// Workspace memory (headers and slots) as the workspace allocates it: cuMemCreate at the
+// recommended granularity; JAX_CPGRAD_BENCH_ALLOC=cudamalloc measures plain cudaMalloc instead,
+// to compare the two in one run.
+struct RegionBuffer {
+  explicit RegionBuffer(int64_t bytes) {
+    const char* alloc = std::getenv("JAX_CPGRAD_BENCH_ALLOC");
+    if (alloc != nullptr && std::string(alloc) == "cudamalloc") {
+      plain = std::make_unique<DeviceBuffer>(bytes);
+      ptr = plain->ptr;
+    } else {
+      int device = 0;
+      CPG_CUDA_OR_THROW(cudaGetDevice(&device));
+      vmm = VmmMapping::allocate(device, std::max<int64_t>(bytes, 256), false);
+      ptr = vmm->ptr();
+    }
+  }
+  std::unique_ptr<DeviceBuffer> plain;
+  std::unique_ptr<VmmMapping> vmm;
   char* ptr = nullptr;
 };
 

@@ -28,8 +28,8 @@ struct EmulatedPeers {
     std::vector<uint32_t> header(header_bytes(n, slot_bytes) / 4, flag_epoch);
     std::fill(header.begin(), header.begin() + kControlBytes / 4, 0u);
     for (int64_t r = 0; r < n; ++r) {
-      headers.push_back(std::make_unique<DeviceBuffer>(header_bytes(n, slot_bytes)));
-      slots.push_back(std::make_unique<DeviceBuffer>(slots_bytes(n, slot_bytes)));
+      headers.push_back(std::make_unique<RegionBuffer>(header_bytes(n, slot_bytes)));
+      slots.push_back(std::make_unique<RegionBuffer>(slots_bytes(n, slot_bytes)));
       CPG_CUDA_OR_THROW(cudaMemcpy(headers.back()->ptr, header.data(), header_bytes(n, slot_bytes),
                                    cudaMemcpyHostToDevice));
       CPG_CUDA_OR_THROW(cudaMemset(slots.back()->ptr, 0, slots_bytes(n, slot_bytes)));
@@ -37,7 +37,7 @@ struct EmulatedPeers {
       table.slots[r] = slots.back()->ptr;
     }
   }
-  std::vector<std::unique_ptr<DeviceBuffer>> headers, slots;
+  std::vector<std::unique_ptr<RegionBuffer>> headers, slots;
   PeerTable table{};
 };
 
