@@ -30,9 +30,13 @@ from jax_cpgrad.attention import layer
 from spmd import cp_mesh, local_ranks
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
-HEADS, KV_HEADS, HEAD_DIM, CHUNK = 8, 2, 128, 256
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+CHUNK = int(os.environ.get("JAX_CPGRAD_TEST_CHUNK", 256))  # tokens per chunk: S = 2 N CHUNK
 BF16_TOLERANCE = 5e-2
 SLOW_OWNER_NS = 200_000  # each tile of the owner: the transfer outlasts the attention beside it
+# Bitwise checks need cuDNN's deterministic backward (test_gpu_attention.py says when it is off).
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+CLOSE = 2e-2  # without it: two runs' outputs differ by the order of cuDNN's dQ sums
 
 
 def _inputs(n: int, seed: int):
@@ -53,10 +57,23 @@ def _result(checks: dict, **info) -> dict:
     return {"ok": all(checks.values()), "checks": checks, **info}
 
 
-def _same_bits(a: dict, b: dict) -> bool:
-    return all(
-        np.array_equal(a[k][r].view(np.uint32), b[k][r].view(np.uint32)) for k in ac.NAMES for r in a[k]
-    )
+def _same(a: list, b: list) -> bool:
+    """The same bits in every array of a and b ({rank: rows} each), or, without cuDNN's
+    deterministic backward, within CLOSE of each other relative to the largest value."""
+    for x, y in zip(a, b, strict=True):
+        for r in x:
+            if DETERMINISTIC and not np.array_equal(x[r].view(np.uint32), y[r].view(np.uint32)):
+                return False
+            if np.max(np.abs(x[r] - y[r])) > CLOSE * max(float(np.max(np.abs(y[r]))), 1e-30):
+                return False
+    return True
+
+
+SAME = "same_bits" if DETERMINISTIC else "close"  # in the checks' names
+
+
+def _same_results(a: dict, b: dict) -> bool:
+    return _same([a[k] for k in ac.NAMES], [b[k] for k in ac.NAMES])
 
 
 def values(mesh, n):
@@ -76,9 +93,9 @@ def values(mesh, n):
             tag = f"{'causal' if causal else 'full'}_{'overlap' if overlap else 'plain'}"
             errors[tag] = ac.relative_errors(first, ref)
             checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
-            checks[f"{tag}_same_bits_twice"] = _same_bits(first, second)
+            checks[f"{tag}_{SAME}_twice"] = _same_results(first, second)
             runs[overlap] = first
-        checks[f"{'causal' if causal else 'full'}_overlap_changes_no_bit"] = _same_bits(
+        checks[f"{'causal' if causal else 'full'}_overlap_{SAME}_as_plain"] = _same_results(
             runs[False], runs[True]
         )
         if jax.process_count() == 1:  # XLA's collectives refuse ranks that share a GPU
@@ -113,15 +130,6 @@ def _placed(mesh, inputs):
     ]
 
 
-def _same_outputs(got: list, want: list) -> bool:
-    """The same bits in every output of a step, on every rank this process holds."""
-    return all(
-        np.array_equal(g[r].view(np.uint32), w[r].view(np.uint32))
-        for g, w in zip(got, want, strict=True)
-        for r in g
-    )
-
-
 def _steps(mesh, ws, steps: int):
     """Outputs (numpy, on this process) of `steps` layer steps whose inputs change every step."""
     n = mesh.shape["cp"]
@@ -145,7 +153,7 @@ def schedule(mesh, n):
     with _workspace(mesh, overlap=False) as plain:
         want = _steps(mesh, plain, 10)
     pairs = hlo_schedule.pairs(text)
-    same = [_same_outputs(g, w) for g, w in zip(got, want, strict=True)]
+    same = [_same(g, w) for g, w in zip(got, want, strict=True)]
     return _result(
         {
             "two_pairs_with_attention_between": len(pairs) == 2 and all(p.matmuls_between > 0 for p in pairs),
@@ -169,7 +177,7 @@ def schedule_unjoined(mesh, n):
         got = _steps(mesh, ws, 5)
     with _workspace(mesh, overlap=False) as plain:
         want = _steps(mesh, plain, 5)
-    differ = [not _same_outputs(g, w) for g, w in zip(got, want, strict=True)]
+    differ = [not _same(g, w) for g, w in zip(got, want, strict=True)]
     return _result({"results_go_wrong_without_the_wait": any(differ)}, steps_differ=differ)
 
 
