@@ -68,10 +68,9 @@ def seconds(f, args, iters: int, reps: int) -> float:
     return best
 
 
-def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0, dt=jnp.bfloat16):
     key = jax.random.key(seed)
     kq, kk, kv, kc = jax.random.split(key, 4)
-    dt = jnp.bfloat16
     q = jax.random.normal(kq, (1, seq, heads, head_dim), dt)
     k = jax.random.normal(kk, (1, seq, kv_heads, head_dim), dt)
     v = jax.random.normal(kv, (1, seq, kv_heads, head_dim), dt)
@@ -83,7 +82,9 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
     rows = []
     full = inputs(seq, opts.heads, kv_heads, opts.head_dim)
     unsharded = fwd_bwd(
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=opts.implementation
+        )
     )
     t_full = seconds(unsharded, full, opts.iters, opts.reps)
     del full
@@ -95,7 +96,9 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
             continue
         data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
         step = fwd_bwd(
-            lambda q, k, v, rank, n=n: rank_without_transfer(q, k, v, rank, n, implementation="cudnn")
+            lambda q, k, v, rank, n=n: rank_without_transfer(
+                q, k, v, rank, n, implementation=opts.implementation
+            )
         )
         # One compiled program for every rank: the rank is a runtime value.
         ranks = sorted({0, n - 1})
@@ -147,7 +150,7 @@ def write_png(path: str, rows: list[dict]) -> None:
         for n in sorted({r["n"] for r in rows}):
             pts = sorted((r["seq"], r["ratio"]) for r in rows if r["kv_heads"] == kv and r["n"] == n)
             if pts:
-                ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"N={n}, KV {kv}")
+                ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"N={n}, KV {kv}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global sequence (k tokens)")
@@ -168,12 +171,16 @@ def main(argv=None) -> int:
     p.add_argument("--min-chunk", type=int, default=512)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--implementation",
+        choices=["cudnn", "xla"],
+        help="default: cudnn on a GPU, xla elsewhere (a smoke run)",
+    )
     p.add_argument("--json")
     p.add_argument("--png")
     opts = p.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("benchmarks/attention.py measures cuDNN attention: it needs a GPU", file=sys.stderr)
-        return 2
+    if opts.implementation is None:
+        opts.implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
     say = lambda *a: print(*a, flush=True)
     rows = []
     for seq in map(parse_tokens, opts.seq):
@@ -182,6 +189,7 @@ def main(argv=None) -> int:
     say(f"N x t_rank / t_unsharded (ideal 1.00):\n{table(rows)}")
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+        implementation=opts.implementation,
         command=" ".join(sys.argv),
     )  # fmt: skip
     if opts.json:

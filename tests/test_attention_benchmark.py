@@ -1,0 +1,25 @@
+"""benchmarks/attention.py on the CPU (XLA kernels, tiny shapes): it measures the unsharded
+attention and a rank of each N, and writes the ratio table, its JSON and its plot."""
+
+import json
+
+from run_python import run_python
+
+
+def test_cpu_smoke_run_writes_the_per_rank_ratios(tmp_path):
+    js, png = tmp_path / "a.json", tmp_path / "a.png"
+    args = ["--seq", "512", "--kv-heads", "2", "--heads", "4", "--head-dim", "16", "--n", "1", "2", "4"]
+    out = run_python(
+        ["benchmarks/attention.py", *args, "--min-chunk", "32", "--iters", "1", "--reps", "1"]
+        + ["--json", str(js), "--png", str(png)]
+    )
+    assert "N x t_rank / t_unsharded" in out
+    data = json.loads(js.read_text())
+    assert data["meta"]["implementation"] == "xla"
+    rows = {r["n"]: r for r in data["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for n, row in rows.items():
+        assert row["chunk"] == 512 // (2 * n) and row["t_rank_ms"] > 0 and row["t_unsharded_ms"] > 0
+        assert abs(row["ratio"] - n * row["t_rank_ms"] / row["t_unsharded_ms"]) < 1e-9
+    assert sorted(rows[4]["t_rank_by_rank_ms"]) == ["0", "3"]  # the first and last rank, both timed
+    assert png.stat().st_size > 1000
