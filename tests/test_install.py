@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from run_python import ROOT
+from run_python import ROOT, run_python
 
 SHADOWED = """
 import sys
@@ -74,3 +74,8 @@ def test_pip_install_on_python_311_says_python_312_is_needed(tmp_path):
     assert proc.returncode != 0
     assert "jax_cpgrad needs Python >= 3.12" in out, out[-3000:]
     assert "No matching distribution found for jaxlib" not in out, out[-3000:]
+
+
+def test_python_m_jax_cpgrad_describes_the_install():
+    out = run_python(["-m", "jax_cpgrad"])
+    assert "CUDA peer transport built:" in out and out.strip().splitlines()[-1].startswith("OK: "), out
