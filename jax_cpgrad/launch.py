@@ -216,6 +216,15 @@ def launch(
         RankResult(r, None if r in killed else p.returncode, "".join(outputs[r])) for r, p in enumerate(procs)
     ]
     if failure:
+        left = [r.rank for r in results if r.returncode == 0]
+        if left:
+            # The usual cause: a rank that exits while another still needs it (rank 0 hosts the
+            # coordination service; a queued collective needs every rank).
+            failure += (
+                f" after rank(s) {', '.join(map(str, left))} had exited with code 0 while the others were "
+                "still running: end rank scripts with jax_cpgrad.launch.finish(), which waits for the "
+                "rank's queued work and for every other rank before exiting"
+            )
         raise LaunchError(f"jax_cpgrad.launch: {failure}", results)
     return results
 

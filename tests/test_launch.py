@@ -213,3 +213,21 @@ def test_cp_training_across_two_cpu_processes(tmp_path):
         reference = float(ref[0].split()[2])
         assert abs(float(lines["step 0 loss"]) - reference) <= 1e-4 * abs(reference), r.output[-3000:]
     assert [r.output.count("loss") for r in results] == [3, 3]
+
+
+def test_a_rank_that_leaves_early_is_named_with_the_fix(tmp_path):
+    """Rank 0 hosts the coordination service: when it exits (os._exit, no barrier) while rank 1 still
+    runs, rank 1 is aborted; the launcher's message says what happened and what to use instead."""
+    argv = _script(
+        tmp_path,
+        """
+        import os, time
+        from jax_cpgrad import launch
+        launch.initialize()
+        if launch.rank() == 1:
+            time.sleep(60)  # aborted long before: rank 0's exit takes the coordination service along
+        os._exit(0)
+    """,
+    )
+    with pytest.raises(launch.LaunchError, match=r"rank\(s\) 0 had exited with code 0.*launch\.finish\(\)"):
+        launch.launch(argv, 2, timeout_s=120, devices="none", echo=False)
