@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     platform = _choose_platform(opts)
     if platform == "gpu-shared":
         n = opts.n or 4
-        print(f"One GPU: running {n} CP ranks as {n} processes sharing it (peer transport over CUDA IPC).")
+        print(f"One GPU: running {n} CP ranks as {n} processes sharing it (peer transport).")
         try:
             results = launch.launch(
                 [sys.executable, "-m", "jax_cpgrad.demo", *args],

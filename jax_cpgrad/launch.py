@@ -10,7 +10,7 @@ must never outlive the launcher.
 
 With fewer GPUs than ranks (``--devices share``, chosen automatically), every rank uses GPU 0:
 the processes time-slice one GPU. That tests correctness of the multi-process peer transport
-(CUDA IPC between the processes) but says nothing about NVLink speed. NCCL refuses to run in
+(GPU memory shared between the processes) but says nothing about NVLink speed. NCCL refuses to run in
 that mode, so use the numpy oracle there, not XLA collectives.
 
 With ``--devices none`` (chosen where there is no GPU) each rank runs on the CPU, one CPU device
