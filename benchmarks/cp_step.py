@@ -64,6 +64,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from workspace_options import workspace_options  # noqa: E402
 
 import jax_cpgrad as cpg  # noqa: E402
+from jax_cpgrad import launch  # noqa: E402
 from jax_cpgrad.attention import layer as attention_layer, rank_without_transfer  # noqa: E402
 
 AXIS = "cp"
@@ -909,8 +910,6 @@ def main(argv=None) -> int:
     opts = _parse(argv)
     opts.started = started
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
-        from jax_cpgrad import launch
-
         if opts.cpu:  # one CPU device per process; collectives between the processes over gloo
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -924,8 +923,6 @@ def main(argv=None) -> int:
     me = jax.process_index()
     say = (lambda *a: print(*a, flush=True)) if me == 0 else (lambda *a: None)
     if devices[0].platform == "gpu" and jax.process_count() > 1:
-        from jax_cpgrad import launch
-
         if launch.ranks_share_gpu():
             say(
                 "ERROR: the processes share one GPU; the step's parameter all-reduce (psum) needs NCCL, "
@@ -968,7 +965,7 @@ def main(argv=None) -> int:
             write_png(opts.png, meta, rows)
     sys.stdout.flush()
     if jax.process_count() > 1:
-        os._exit(0)
+        launch.finish()  # rank 0 hosts the coordination service: it must not leave first
     return 0
 
 

@@ -60,6 +60,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_cpgrad as cpg  # noqa: E402
+from jax_cpgrad import launch  # noqa: E402
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # run through runpy or imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -413,7 +414,6 @@ class Bench:
 
 
 def setup(opts) -> Bench:
-    from jax_cpgrad import launch
 
     devices = jax.devices()
     n = opts.n or len(devices)
@@ -789,8 +789,6 @@ def main(argv=None) -> int:
         write_png(opts.png, data, data["rows"], data["ceilings"])
         return 0
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
-        from jax_cpgrad import launch
-
         launch.initialize()
     elif opts.cpu:
         jax.config.update("jax_platforms", "cpu")
@@ -810,7 +808,7 @@ def main(argv=None) -> int:
             write_png(opts.png, meta, rows, ceilings)
     sys.stdout.flush()
     if jax.process_count() > 1:
-        os._exit(0)  # as the other multi-process scripts: no distributed shutdown handshake to hang in
+        launch.finish()  # rank 0 hosts the coordination service: it must not leave first
     return 0
 
 

@@ -53,7 +53,7 @@ def main():
     if ws is not None:
         ws.close()
     if jax.process_count() > 1:
-        os._exit(0)
+        launch.finish()  # every rank's queued work done, then all leave together
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def main(names: list[str]) -> int:
         print("RESULT " + json.dumps(outcome), flush=True)
         code |= 0 if outcome["ok"] else 1
     sys.stdout.flush()
-    os._exit(code)  # skip jax.distributed's shutdown barrier (see gpu_worker.py)
+    launch.finish(code, timeout_s=120)  # together: rank 0 hosts the coordination service
 
 
 if __name__ == "__main__":

@@ -992,8 +992,9 @@ def main(names: list[str]) -> int:
     sys.stdout.flush()
     if any(name.startswith("exit_") for name in names):
         sys.exit(code)  # a normal interpreter exit (open workspaces, or closed ones still referenced)
-    # Skip jax.distributed's shutdown barrier: a rank that finishes early must not wait on others.
-    os._exit(code)
+    if any(name in ("missing_peer", "dead_peer", "slow_peer") for name in names):
+        os._exit(code)  # a rank that saw a peer fail must not wait for it
+    launch.finish(code, timeout_s=120)  # together: rank 0 hosts the coordination service
 
 
 if __name__ == "__main__":

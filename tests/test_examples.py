@@ -15,6 +15,14 @@ def test_example_training_script_runs_and_learns():
     assert min(losses[-3:]) < losses[0], losses
 
 
+def test_example_training_script_runs_as_two_cpu_processes():
+    """The launcher's multi-process mode on a laptop: 2 ranks on the CPU, gloo between them."""
+    args = ["--devices", "none", "--timeout", "240", "examples/train_cp_transformer.py", "--steps", "3"]
+    out = run_python(["-m", "jax_cpgrad.launch", "-n", "2", *args, "--seq-len", "256"], timeout=300)
+    steps = [line for line in out.splitlines() if line.startswith("[rank 0] step")]
+    assert len(steps) == 3, out
+
+
 def test_demo_runs_on_cpu_and_matches_the_reference():
     out = run_python(["-m", "jax_cpgrad.demo", "--cpu", "--seq-len", "256", "--steps", "3"])
     assert "8 CPU devices; transports: xla" in out
