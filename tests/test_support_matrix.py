@@ -1,0 +1,51 @@
+"""The README's support matrix of the attention layer says what the code does: its dtypes, its
+cuDNN dtypes, its implementations, its tested N and its determinism flag, read from the code
+and the tests, so that the table cannot drift from them."""
+
+import os
+import re
+
+import jax.numpy as jnp
+
+import test_attention
+import test_gpu_attention
+from jax_cpgrad.attention import kernels, layer
+
+README = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+SECTION = README.split("<!-- attention-layer:begin -->")[1].split("<!-- attention-layer:end -->")[0]
+
+
+def _matrix() -> dict[str, list[str]]:
+    rows = [line for line in SECTION.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    return {row[0]: row[1:] for row in cells[1:]}
+
+
+def _names(dtypes) -> str:
+    return ", ".join(jnp.dtype(d).name for d in dtypes)
+
+
+def test_dtypes_row_lists_the_layers_dtypes():
+    assert _matrix()["dtypes"] == [_names(layer._FLOAT_DTYPES)] * 3
+
+
+def test_kernels_row_lists_the_cudnn_dtypes():
+    for cell in _matrix()["kernels"]:
+        assert f"cuDNN ({_names(kernels.CUDNN_DTYPES)}" in cell and cell.endswith("XLA"), cell
+
+
+def test_the_implementations_named_are_the_layers():
+    named = re.search(r"`implementation=([^`]+)`", SECTION).group(1).split("|")
+    assert {None if n == "None" else n.strip('"') for n in named} == set(layer.IMPLEMENTATIONS)
+
+
+def test_the_tested_n_are_the_tests():
+    cpu_ns = test_attention.test_matches_unsharded_attention_float32.pytestmark
+    ns = next(m.args[1] for m in cpu_ns if m.args[0] == "n")
+    assert _matrix()["tested"][0] == "CPU, N = " + ", ".join(map(str, ns))
+    shared = next(m.args[1] for m in test_gpu_attention.test_layer_ranks_sharing_one_gpu.pytestmark)
+    assert _matrix()["tested"][2] == "one H200, N = " + ", ".join(map(str, shared))
+
+
+def test_the_determinism_flag_is_the_gpu_tests():
+    assert test_gpu_attention.DETERMINISTIC["XLA_FLAGS"] in _matrix()["same bits every run"][0]
