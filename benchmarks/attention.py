@@ -17,13 +17,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from jax_cpgrad.attention import rank_without_transfer
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import step_profile  # noqa: E402
+
+from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 
 
 def parse_tokens(text: str) -> int:
@@ -87,8 +91,9 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         )
     )
     t_full = seconds(unsharded, full, opts.iters, opts.reps)
-    del full
     say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
+    kernels_full = kernel_table(unsharded, full, opts, say)
+    del full
     for n in ns:
         local = seq // n
         chunk = local // 2
@@ -104,8 +109,21 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         ranks = sorted({0, n - 1})
         per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
         rows.append(_row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say))
+        rows[-1]["kernels_rank0"] = kernel_table(step, (*data, jnp.int32(0)), opts, say)
+        rows[-1]["kernels_unsharded"] = kernels_full
         del data
     return rows
+
+
+def kernel_table(f, args, opts, say) -> list:
+    """--kernels K: the K longest-running GPU kernels of one run of f (microseconds, launches),
+    from a profiler trace; printed, and kept in the JSON."""
+    if not opts.kernels:
+        return []
+    top = step_profile.top_kernels(f, args, steps=3, count=opts.kernels)
+    for name, us, launches in top:
+        say(f"      {us:9.1f} us  x{launches:<3d} {name[:100]}")
+    return [dict(name=name, us=us, launches=launches) for name, us, launches in top]
 
 
 def _row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say) -> dict:
@@ -169,6 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--min-chunk", type=int, default=512)
+    p.add_argument("--kernels", type=int, default=0, help="list the K longest GPU kernels of each row")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(

@@ -116,6 +116,30 @@ def profile_step(compiled, args, steps: int = 2) -> dict:
 
 
 def _profile(compiled, args, steps: int) -> dict:
+    planes = gpu_kernels(compiled, args, steps)
+    if "error" in planes:
+        return planes
+    return {plane: summarize_gpu(streams, steps) for plane, streams in planes.items()}
+
+
+def top_kernels(f, args, steps: int = 3, count: int = 12) -> list[tuple[str, float, int]]:
+    """The `count` kernels that ran longest over `steps` runs of f(*args) (already warm), on all
+    GPUs: (name, microseconds per run, launches per run); [] when there is no GPU trace."""
+    planes = gpu_kernels(f, args, steps)
+    total: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    for streams in ({} if "error" in planes else planes).values():
+        for events in streams.values():
+            for name, start, end in events:
+                total[name] = total.get(name, 0.0) + (end - start) / 1e3 / steps
+                launches[name] = launches.get(name, 0) + 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:count]
+    return [(name, us, launches[name] // steps) for name, us in ranked]
+
+
+def gpu_kernels(compiled, args, steps: int) -> dict:
+    """{GPU plane name: {stream name: [(kernel name, start ns, end ns)]}} over `steps` runs of
+    `compiled`, or {"error": why}."""
     with tempfile.TemporaryDirectory() as log_dir:
         jax.profiler.start_trace(log_dir)
         try:
@@ -131,10 +155,9 @@ def _profile(compiled, args, steps: int) -> dict:
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU:"):
             continue
-        streams = {
+        out[plane.name] = {
             line.name: [(e.name, e.start_ns, e.end_ns) for e in line.events]
             for line in plane.lines
             if line.name.startswith("Stream")  # the other lines re-list the same kernels by op
         }
-        out[plane.name] = summarize_gpu(streams, steps)
     return out or {"error": "the trace has no GPU plane (is CUPTI available?)"}

@@ -10,7 +10,18 @@ def test_cpu_smoke_run_writes_the_per_rank_ratios(tmp_path):
     js, png = tmp_path / "a.json", tmp_path / "a.png"
     args = ["--seq", "512", "--kv-heads", "2", "--heads", "4", "--head-dim", "16", "--n", "1", "2", "4"]
     out = run_python(
-        ["benchmarks/attention.py", *args, "--min-chunk", "32", "--iters", "1", "--reps", "1"]
+        [
+            "benchmarks/attention.py",
+            *args,
+            "--min-chunk",
+            "32",
+            "--iters",
+            "1",
+            "--reps",
+            "1",
+            "--kernels",
+            "3",
+        ]
         + ["--json", str(js), "--png", str(png)]
     )
     assert "N x t_rank / t_unsharded" in out
@@ -22,4 +33,5 @@ def test_cpu_smoke_run_writes_the_per_rank_ratios(tmp_path):
         assert row["chunk"] == 512 // (2 * n) and row["t_rank_ms"] > 0 and row["t_unsharded_ms"] > 0
         assert abs(row["ratio"] - n * row["t_rank_ms"] / row["t_unsharded_ms"]) < 1e-9
     assert sorted(rows[4]["t_rank_by_rank_ms"]) == ["0", "3"]  # the first and last rank, both timed
+    assert all(row["kernels_rank0"] == [] for row in rows.values())  # no GPU kernels on the CPU
     assert png.stat().st_size > 1000
