@@ -69,9 +69,12 @@ def finish(code: int = 0, timeout_s: float = 600.0) -> None:
 
     from . import _distributed
 
-    for array in jax.live_arrays():
-        array.block_until_ready()
-    jax.effects_barrier()
+    try:
+        for array in jax.live_arrays():
+            array.block_until_ready()
+        jax.effects_barrier()
+    except Exception:  # a computation that failed raised where it ran: leave all the same
+        pass
     if jax.process_count() > 1:
         _distributed.barrier("jax_cpgrad/launch/finish", timeout_s)
     sys.stdout.flush()
