@@ -43,7 +43,7 @@ struct TensorPtrs {
   char* out[kMaxTensors];
 };
 
-// Every rank's shared memory as mapped on this device (raw or IPC pointers); [self] is our own.
+// Every rank's shared memory as mapped on this device (its own, or mapped from a peer); [self] is ours.
 struct PeerTable {
   char* header[kMaxRanks];
   char* slots[kMaxRanks];

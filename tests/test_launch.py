@@ -79,7 +79,7 @@ def test_command_line_exit_codes(tmp_path):
 
 
 def test_key_value_exchange_between_processes(tmp_path):
-    """The helper Workspace uses to swap IPC handles and agree on errors, on a CPU job."""
+    """The helper Workspace uses to exchange public facts and agree on errors, on a CPU job."""
     argv = _script(
         tmp_path,
         """
