@@ -43,7 +43,7 @@ struct TensorPtrs {
   char* out[kMaxTensors];
 };
 
-// Every rank's shared memory as mapped on this device (its own, or mapped from a peer); [self] is ours.
+// Every rank's shared memory as mapped on this device, by rank ([self] is our own).
 struct PeerTable {
   char* header[kMaxRanks];
   char* slots[kMaxRanks];
