@@ -12,11 +12,8 @@ the transfer's path (two chunks, gather and return on the workspace) runs on one
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +22,10 @@ import numpy as np
 import attention_check as ac
 import hlo_schedule
 import jax_cpgrad as cpg
+from gpu_support import run_scenarios
 from jax_cpgrad import _testing, launch
 from jax_cpgrad.attention import layer
-from spmd import cp_mesh, local_ranks
+from spmd import cp_mesh
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
@@ -188,19 +186,7 @@ def main(names: list[str]) -> int:
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         launch.initialize()
     layer.SKIP_TRANSFER_WHEN_ALONE = False
-    mesh = cp_mesh(platform="gpu")
-    n = mesh.size
-    code = 0
-    for name in names:
-        t0 = time.time()
-        try:
-            outcome = SCENARIOS[name](mesh, n)
-        except Exception:
-            outcome = {"ok": False, "checks": {}, "error": traceback.format_exc()[-3000:]}
-        outcome.update(scenario=name, n=n, ranks=local_ranks(mesh), seconds_total=round(time.time() - t0, 2))
-        print("RESULT " + json.dumps(outcome), flush=True)
-        code |= 0 if outcome["ok"] else 1
-    sys.stdout.flush()
+    code = run_scenarios(SCENARIOS, names, cp_mesh(platform="gpu"))
     launch.finish(code, timeout_s=120)  # together: rank 0 hosts the coordination service
 
 

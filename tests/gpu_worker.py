@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +28,7 @@ import numpy as np  # noqa: E402
 
 import hlo_schedule  # noqa: E402
 import jax_cpgrad as cpg  # noqa: E402
+from gpu_support import run_scenarios  # noqa: E402
 from jax_cpgrad import _testing, launch  # noqa: E402
 from oracle import DTYPES, all_gather_oracle, bits, grad_return_oracle, random_array  # noqa: E402
 from spmd import cp_mesh, local_ranks, per_rank_results, place, spmd, spmd_jit  # noqa: E402
@@ -977,19 +977,7 @@ SCENARIOS = {
 def main(names: list[str]) -> int:
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         launch.initialize()
-    mesh = cp_mesh(platform="gpu")
-    n = mesh.size
-    code = 0
-    for name in names:
-        t0 = time.time()
-        try:
-            outcome = SCENARIOS[name](mesh, n)
-        except Exception:
-            outcome = {"ok": False, "checks": {}, "error": traceback.format_exc()[-3000:]}
-        outcome.update(scenario=name, n=n, ranks=local_ranks(mesh), seconds_total=round(time.time() - t0, 2))
-        print("RESULT " + json.dumps(outcome), flush=True)
-        code |= 0 if outcome["ok"] else 1
-    sys.stdout.flush()
+    code = run_scenarios(SCENARIOS, names, cp_mesh(platform="gpu"))
     if any(name.startswith("exit_") for name in names):
         sys.exit(code)  # a normal interpreter exit (open workspaces, or closed ones still referenced)
     if any(name in ("missing_peer", "dead_peer", "slow_peer") for name in names):

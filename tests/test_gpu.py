@@ -15,24 +15,16 @@ import pytest
 import intruder
 import jax_cpgrad
 import jax_cpgrad._native
+from gpu_support import need, need_gpu
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_worker.py")
 GPUS = launch.visible_gpu_count()
 
 
-def _need(condition: bool, reason: str):
-    if condition:
-        return
-    if os.environ.get("JAX_CPGRAD_REQUIRE_GPU") == "1":
-        pytest.fail(f"JAX_CPGRAD_REQUIRE_GPU=1 but: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def gpu():
-    _need(jax_cpgrad.HAS_CUDA, "jax_cpgrad was built without CUDA (no nvcc at build time)")
-    _need(GPUS > 0, "no NVIDIA GPU visible (nvidia-smi lists none)")
+    need_gpu()
 
 
 def _results(out: list) -> dict:
@@ -89,7 +81,7 @@ def test_peer_transport_multiprocess(gpu, n, protocol):
     vmap), >= 1,000-call race test, epoch wrap-around, handler-side rejections, use after close;
     for the device protocol also calls recorded into CUDA graphs."""
     _need_own_gpus(n, protocol)
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = CORE + (["graphs"] if protocol == "device" else [])
     _assert_all_ok(_run(n, scenarios, protocol=protocol), n, scenarios)
 
@@ -100,7 +92,7 @@ def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
     protection also removed (test builds' hooks) calls go wrong: the negative control, so the
     race tests can fail."""
     _need_own_gpus(2, protocol)
-    _need(
+    need(
         jax_cpgrad._native.HAS_TEST_HOOKS,
         "the negative control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)",
     )
@@ -235,7 +227,7 @@ def test_single_process_multi_gpu(gpu, protocol, overlap):
     overlap, every call a pair on the workspaces' streams (one per GPU)."""
     if GPUS < 2:  # a property of the machine, not a missing build: skip even with REQUIRE_GPU
         pytest.skip(f"single-process multi-GPU needs >= 2 GPUs in one process; {GPUS} visible")
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     if overlap == "1":
         scenarios = ["overlap", *CORE]
     else:
@@ -251,7 +243,7 @@ def test_overlapped_workspaces_run_every_call_as_a_pair_on_their_own_stream(gpu,
     start/done pair on the workspace's stream, and work placed between the two (the schedule
     checked, every result right). No CUDA graphs: the pairs stay out of them by design."""
     _need_own_gpus(2, protocol)
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = ["overlap", *CORE]
     _assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), 2, scenarios)
 
@@ -259,7 +251,7 @@ def test_overlapped_workspaces_run_every_call_as_a_pair_on_their_own_stream(gpu,
 def test_the_overlap_test_fails_without_the_dones_wait(gpu):
     """Negative control of the overlap scenario (N = 1, one process): with the dones' waits removed
     (a test build's hook), results read before the slowed calls finish come out wrong."""
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    need(jax_cpgrad._native.HAS_TEST_HOOKS, "the control needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     _run_in_one_process(["overlap_unjoined"], timeout_s=300, CUDA_VISIBLE_DEVICES="0")
 
 
@@ -267,6 +259,6 @@ def test_the_overlap_test_fails_without_the_dones_wait(gpu):
 def test_one_gpu_in_process_n1(gpu, overlap):
     """N = 1 on one GPU in one process: the FFI path, jit, vmap and grad without any peer; with
     overlap, every call a pair on the workspace's stream and work placed between start and done."""
-    _need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
+    need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = ["correctness", "wrap", "errors"] + (["overlap"] if overlap == "1" else [])
     _run_in_one_process(scenarios, timeout_s=600, CUDA_VISIBLE_DEVICES="0", JAX_CPGRAD_TEST_OVERLAP=overlap)

@@ -16,25 +16,17 @@ import pytest
 
 import jax_cpgrad
 import jax_cpgrad._native
+from gpu_support import need, need_gpu
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention_worker.py")
 DETERMINISTIC = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
 
 
-def _need(condition: bool, reason: str):
-    if condition:
-        return
-    if os.environ.get("JAX_CPGRAD_REQUIRE_GPU") == "1":
-        pytest.fail(f"JAX_CPGRAD_REQUIRE_GPU=1 but: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def gpu():
-    _need(jax_cpgrad.HAS_CUDA, "jax_cpgrad was built without CUDA (no nvcc at build time)")
-    _need(launch.visible_gpu_count() > 0, "no NVIDIA GPU visible (nvidia-smi lists none)")
-    _need(
+    need_gpu()
+    need(
         jax_cpgrad._native.HAS_TEST_HOOKS, "the slow-owner hooks need a test build (JAX_CPGRAD_TEST_HOOKS=ON)"
     )
 
