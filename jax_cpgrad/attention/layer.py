@@ -19,6 +19,7 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 # the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
 SKIP_TRANSFER_WHEN_ALONE = True
 _warned_public_path = False
+kernels.cudnn_binds()  # looked up once, at import; a jax without them is told at first use
 
 
 def attention_workspace_nbytes(key) -> int:
