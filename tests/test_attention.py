@@ -16,13 +16,13 @@ from jax_cpgrad.attention import kernels, layer
 from spmd import cp_mesh
 from workspace_stub import workspace_spec
 
-TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2}
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2, jnp.float16: 1e-2}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
-def _check(n, *, causal=True, heads="gqa", dtype=jnp.float32, chunk=8, **kw):
+def _check(n, *, causal=True, heads="gqa", dtype=jnp.float32, chunk=8, batch=1, **kw):
     h, hk = HEADS[heads]
-    inputs = ac.random_inputs(2 * n * chunk, heads=h, kv_heads=hk, dtype=dtype, seed=n)
+    inputs = ac.random_inputs(2 * n * chunk, batch=batch, heads=h, kv_heads=hk, dtype=dtype, seed=n)
     ref = ac.reference(*inputs, causal=causal, scale=kw.get("scale"))
     got = ac.cp_layer(cp_mesh(n), inputs, dtype=dtype, causal=causal, **kw)
     errs = ac.relative_errors(got, ref)
@@ -41,6 +41,12 @@ def test_matches_unsharded_attention_float32(n, causal, heads):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_matches_unsharded_attention_bfloat16(n, causal):
     _check(n, causal=causal, dtype=jnp.bfloat16, chunk=16)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_float16_and_batch_rows(n, causal):
+    _check(n, causal=causal, heads="mqa", dtype=jnp.float16, chunk=16, batch=2)
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -96,6 +102,7 @@ def test_same_bits_every_run():
 def test_public_fallback_when_the_private_cudnn_binds_are_missing(monkeypatch):
     """Without jax's private cuDNN primitives, implementation='cudnn' falls back to public
     jax.nn.dot_product_attention with a mask (XLA's on the CPU), warning once what it costs."""
+    monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)  # as on an H200
     monkeypatch.setattr(kernels, "cudnn_binds", lambda: None)
     monkeypatch.setattr(layer, "_warned_public_path", False)
     with pytest.warns(UserWarning, match="falls back to jax.nn.dot_product_attention"):
@@ -121,7 +128,72 @@ def test_the_xla_kernels_clear_rows_that_see_no_key():
     ref = jax.nn.dot_product_attention(q[1:], k[1:, :5], v[1:, :5], scale=0.25)
     np.testing.assert_allclose(out[1:], ref, atol=1e-6)
     dq, dk, dv = kernels.backward("xla", q, k, v, out, lse, ct, causal=False, scale=0.25, kv_len=kv_len)
-    assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[1, 5:]))
+    for grad in (dq[0], dk[0], dv[0], dk[1, 5:], dv[1, 5:]):
+        assert not np.any(np.asarray(grad))
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.25)
+    ref = jax.vjp(attend, q[1:], k[1:, :5], v[1:, :5])[1](ct[1:])
+    for got, want in zip((dq[1:], dk[1:, :5], dv[1:, :5]), ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+class _FakeCudnnPrimitives:
+    """Stands in for jax's private cuDNN primitives on the CPU: the XLA kernels given the operands
+    and parameters as the layer binds them, writing NaN where cuDNN leaves values unspecified
+    (padded key rows of dK/dV), so that the layer's cuDNN code (operand order, the clamp of empty
+    entries, the masks) is checked here and not only on a GPU."""
+
+    class MaskType:
+        NO_MASK, PADDING, CAUSAL, PADDING_CAUSAL = "none", "padding", "causal", "padding_causal"
+
+    class AttentionLayout:
+        class BTNH:
+            value = "btnh"
+
+    def __init__(self):
+        fake = self
+        self.key_counts: list[np.ndarray] = []  # every kv_len cuDNN was given
+
+        class Fwd:
+            @staticmethod
+            def bind(q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, *, mask_type, scale, **_):
+                return kernels._xla_forward(q, k, v, **fake._args(mask_type, scale, kv_len))
+
+        class Bwd:
+            @staticmethod
+            def bind(
+                q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, lse, o, do, *, mask_type, scale, **_
+            ):
+                dq, dk, dv = kernels._xla_backward(
+                    q, k, v, o, lse, do, **fake._args(mask_type, scale, kv_len)
+                )
+                if kv_len.size:  # unspecified rows, as cuDNN leaves them
+                    pad = (jnp.arange(k.shape[1]) >= kv_len[:, None])[:, :, None, None]
+                    dk, dv = (jnp.where(pad, jnp.nan, g) for g in (dk, dv))
+                return dq, dk, dv
+
+        self._dot_product_attention_fwd_p_wrapper = Fwd
+        self._dot_product_attention_bwd_p_wrapper = Bwd
+
+    def _args(self, mask_type, scale, kv_len):
+        causal = mask_type in (self.MaskType.CAUSAL, self.MaskType.PADDING_CAUSAL)
+        assert (kv_len.size > 0) == (mask_type in (self.MaskType.PADDING, self.MaskType.PADDING_CAUSAL))
+        if kv_len.size:
+            jax.debug.callback(lambda x: self.key_counts.append(np.asarray(x)), kv_len)
+        return dict(causal=causal, scale=scale, kv_len=kv_len if kv_len.size else None)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_cudnn_code_path_with_stand_in_primitives(monkeypatch, n, causal):
+    fake = _FakeCudnnPrimitives()
+    monkeypatch.setattr(kernels, "cudnn_binds", lambda: (fake, {}))
+    monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)
+    _check(
+        n, causal=causal, heads="gqa", dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn", scale=0.3
+    )
+    jax.effects_barrier()
+    assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
+    assert bool(fake.key_counts) == (causal and n > 1)  # padded entries: the causal remote part
 
 
 def test_workspace_nbytes_helper():
@@ -152,6 +224,9 @@ def _trace(q_shape, k_shape, v_shape=None, *, n=2, dtype=jnp.float32, **kw):
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"dtype": jnp.int32}, "float32, bfloat16 and float16"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"implementation": "flash"}, "implementation must be"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"implementation": "cudnn"}, "needs bfloat16 or float16"),
+        (((1, 16, 4, 8), (1, 16, 2, 8)), {"implementation": "cudnn", "dtype": jnp.bfloat16}, "NVIDIA GPU"),
+        (((1, 16, 4, 8), (1, 16, 0, 8)), {}, "multiple of the key/value heads"),
+        (((1, 16, 4, 8), (1, 16, 2, 8)), {"scale": jnp.float32(0.5)}, "scale must be"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"workspace": workspace_spec(2, nbytes=1000)}, "needs 1024"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"workspace": workspace_spec(4)}, "created for 4"),
     ],

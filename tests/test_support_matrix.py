@@ -43,6 +43,7 @@ def test_the_tested_n_are_the_tests():
     cpu_ns = test_attention.test_matches_unsharded_attention_float32.pytestmark
     ns = next(m.args[1] for m in cpu_ns if m.args[0] == "n")
     assert _matrix()["tested"][0] == "CPU, N = " + ", ".join(map(str, ns))
+    assert _matrix()["tested"][1] == "one H200, N = 1" and test_gpu_attention.test_layer_n1_device_protocol
     shared = next(m.args[1] for m in test_gpu_attention.test_layer_ranks_sharing_one_gpu.pytestmark)
     assert _matrix()["tested"][2] == "one H200, N = " + ", ".join(map(str, shared))
 

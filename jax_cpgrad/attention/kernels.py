@@ -96,7 +96,10 @@ def cudnn_binds():
         fwd = fas._dot_product_attention_fwd_p_wrapper
         bwd = fas._dot_product_attention_bwd_p_wrapper
         params = inspect.signature(fas._dot_product_attention_fwd_impl).parameters
-        needed = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout")
+        needed = (
+            "scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+            "sliding_window_length", "is_training",
+        )  # fmt: skip
         if not all(name in params for name in needed) or not (fwd and bwd):
             return None
         for name in ("NO_MASK", "CAUSAL", "PADDING", "PADDING_CAUSAL"):
@@ -167,7 +170,7 @@ def _clear_empty_rows(out, lse, kv_len):
     return out, jnp.where(has_keys[:, None, None], lse.astype(F32), -jnp.inf)
 
 
-IMPLEMENTATIONS = {
+KERNELS = {
     "xla": (_xla_forward, _xla_backward),
     "cudnn": (_cudnn_forward, _cudnn_backward),
 }
@@ -175,9 +178,9 @@ IMPLEMENTATIONS = {
 
 def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None):
     """(out, lse) of q against k/v; see the module docstring."""
-    return IMPLEMENTATIONS[impl][0](q, k, v, causal=causal, scale=scale, kv_len=kv_len)
+    return KERNELS[impl][0](q, k, v, causal=causal, scale=scale, kv_len=kv_len)
 
 
 def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
     """(dq, dk, dv) of the attention whose merged output and log-sum-exp are o and lse."""
-    return IMPLEMENTATIONS[impl][1](q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)
+    return KERNELS[impl][1](q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)

@@ -13,7 +13,7 @@ from . import kernels, public_path, split_attention
 from .plan import RankPlan
 from .transfer import NoTransfer, OnMeshAxis
 
-_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in api._FLOAT_DTYPES)
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 # At N = 1 the local layout is the whole sequence in natural order: no transfer is needed, and
 # the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
@@ -63,7 +63,7 @@ def _check_shapes(query, key, value) -> None:
         )
     if h != hk:
         raise ValueError(f"{_name()}: query and key head dims differ: {h} and {hk}")
-    if n % nk:
+    if nk == 0 or n % nk:
         raise ValueError(f"{_name()}: the query heads ({n}) must be a multiple of the key/value heads ({nk})")
     if t % 2:
         raise ValueError(
@@ -76,15 +76,20 @@ def _choose_implementation(implementation, dtype, head_dim: int) -> str:
     """'xla', 'cudnn' or 'public' (cuDNN wanted, but this jax lacks the private primitives)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{_name()}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
-    cudnn_ok = jnp.dtype(dtype) in [jnp.dtype(d) for d in kernels.CUDNN_DTYPES] and head_dim % 8 == 0
-    cudnn_ok = cudnn_ok and head_dim <= 256
-    if implementation == "cudnn" and not cudnn_ok:
-        raise ValueError(
-            f"{_name()}: implementation='cudnn' needs bfloat16 or float16 and a head dim that is a "
-            f"multiple of 8, at most 256; got {jnp.dtype(dtype).name} and {head_dim}"
-        )
-    wants_cudnn = implementation == "cudnn" or (implementation is None and cudnn_ok and _on_gpu())
-    if not wants_cudnn:
+    if implementation == "xla":
+        return "xla"
+    max_head_dim = cudnn_max_head_dim()
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in kernels.CUDNN_DTYPES]:
+        why_not = f"bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    elif max_head_dim is None:
+        why_not = f"an NVIDIA GPU of compute capability 8.0 or newer, not {jax.devices()[0].device_kind}"
+    elif head_dim % 8 or head_dim > max_head_dim:
+        why_not = f"a head dim that is a multiple of 8, at most {max_head_dim} on this GPU; got {head_dim}"
+    else:
+        why_not = None
+    if why_not is not None:
+        if implementation == "cudnn":
+            raise ValueError(f"{_name()}: implementation='cudnn' needs {why_not}")
         return "xla"
     if kernels.cudnn_binds() is None:
         _warn_public_path()
@@ -92,8 +97,16 @@ def _choose_implementation(implementation, dtype, head_dim: int) -> str:
     return "cudnn"
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+def cudnn_max_head_dim() -> int | None:
+    """The largest head dim cuDNN flash attention takes on this process's devices (256 from
+    Hopper on, 128 on Ampere), or None where it cannot run (no NVIDIA GPU of compute capability
+    8.0 or newer)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return None
+    major = int(str(capability).split(".")[0])
+    return None if major < 8 else 256 if major >= 9 else 128
 
 
 def _warn_public_path() -> None:
@@ -108,6 +121,19 @@ def _warn_public_path() -> None:
             "the K/V transfer is not hidden behind attention work. Use jax 0.11.2-0.12.x for the fast path.",
             stacklevel=4,
         )
+
+
+def _prepare(query, key, value, scale, implementation) -> tuple[float, str]:
+    """Every check of the arrays and options; (the scale, the implementation to run)."""
+    _check_shapes(query, key, value)
+    head_dim = query.shape[-1]
+    if scale is None:
+        scale = head_dim**-0.5
+    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool):
+        raise ValueError(
+            f"{_name()}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
+        )
+    return float(scale), _choose_implementation(implementation, query.dtype, head_dim)
 
 
 def _check_workspace(spec, axis_name: str, n: int, key) -> None:
@@ -136,17 +162,20 @@ def dot_product_attention(
 ):
     """Context-parallel scaled dot-product attention, exact, for one rank inside ``jax.shard_map``.
 
-    The global sequence of S tokens is split over the N devices of the mesh axis ``axis_name`` in
-    the load-balanced layout (:func:`jax_cpgrad.to_cp_layout`): each rank holds T = S/N tokens,
-    global chunks r and 2N-1-r of S/(2N) tokens each. Each rank passes its local
-    ``query [B, T, N, H]`` and ``key``/``value [B, T, K, H]`` (K divides N: MHA, GQA, MQA; the
-    letters are ``jax.nn.dot_product_attention``'s) and gets back its rows ``[B, T, N, H]`` of the
-    unsharded attention on the natural-order global arrays, with that attention's gradients.
+    The global sequence of S tokens is split over the R devices of the mesh axis ``axis_name`` in
+    the load-balanced layout (:func:`jax_cpgrad.to_cp_layout`): each rank holds T = S/R tokens,
+    global chunks r and 2R-1-r of S/(2R) tokens each. Each rank passes its local
+    ``query [B, T, N, H]`` and ``key``/``value [B, T, K, H]`` (N query heads, K key/value heads
+    dividing N: MHA, GQA, MQA; the letters are ``jax.nn.dot_product_attention``'s) and gets back
+    its rows ``[B, T, N, H]`` of the unsharded attention on the natural-order global arrays, with
+    that attention's gradients.
 
-    K and V are gathered at K heads (never repeated to N) and dK/dV are returned to their owners,
-    summed in float32 in rank order: over the peer transport with ``workspace`` (a
-    :class:`jax_cpgrad.Workspace` on this axis; :func:`attention_workspace_nbytes` sizes it), over
-    XLA collectives without. The part of the attention that needs only the rank's own keys runs
+    K and V are gathered at K heads (never repeated to N) and dK/dV are returned to their owners:
+    over the peer transport with ``workspace`` (a :class:`jax_cpgrad.Workspace` on this axis;
+    :func:`attention_workspace_nbytes` sizes it), which sums the ranks' shares in float32 in rank
+    order and rounds once, or over XLA collectives without (``psum_scatter``, in the inputs'
+    dtype). Each rank's share and the local part's dK/dV are rounded to the inputs' dtype before
+    they are summed. The part of the attention that needs only the rank's own keys runs
     while K/V travel, and in the backward pass while dK/dV travel (really beside them with a
     workspace made with ``overlap=True``; XLA schedules its own collectives otherwise).
 
@@ -156,27 +185,27 @@ def dot_product_attention(
       workspace: a ``Workspace`` (peer transport) or None (XLA collectives).
       scale: the scores' scale; default ``1 / sqrt(H)``.
       is_causal: causal attention (query i sees keys 0..i of the global sequence), or full.
-      implementation: None (cuDNN flash attention on a GPU for bfloat16/float16, XLA otherwise),
-        ``"cudnn"`` or ``"xla"``. The softmax and every sum run in float32 in both.
+      implementation: None, ``"cudnn"`` or ``"xla"``. None is cuDNN flash attention where it can
+        run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head dim it takes)
+        and XLA elsewhere; ``jax.nn.dot_product_attention``'s None means XLA. The softmax and
+        the merge of the parts run in float32 in both.
 
     Raises:
       ValueError: before anything runs, for mismatched shapes or dtypes, query heads that are not
-        a multiple of the key heads, an odd local length, an axis that is not bound (called
-        outside ``shard_map``), a workspace that is closed, of another axis or too small, or an
-        implementation that cannot run these inputs.
+        a multiple of the key heads, an odd local length, a scale that is not a static number,
+        an axis that is not bound (called outside ``shard_map``), a workspace that is closed, of
+        another axis or too small, or ``implementation="cudnn"`` where cuDNN cannot run these
+        inputs.
     """
-    _check_shapes(query, key, value)
+    scale, impl = _prepare(query, key, value, scale, implementation)
     n = api._axis_size(axis_name, "dot_product_attention")
     spec = api._spec_of(workspace, "dot_product_attention")
     _check_workspace(spec, axis_name, n, key)
-    head_dim = query.shape[-1]
-    scale = float(head_dim**-0.5 if scale is None else scale)
-    impl = _choose_implementation(implementation, query.dtype, head_dim)
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
     if impl == "public":
         return public_path.attention(
             query, key, value, axis_name=axis_name, spec=spec, rank=rank, n=n, causal=is_causal,
-            scale=scale, implementation=("cudnn" if _on_gpu() else "xla"),
+            scale=scale, implementation=("cudnn" if jax.devices()[0].platform == "gpu" else "xla"),
         )  # fmt: skip
     plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
     cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec))
@@ -197,10 +226,11 @@ def rank_without_transfer(
     """The layer's computation for rank ``rank`` of ``n``, alone: real shapes, a local copy in place
     of every transfer (the gathered keys are not the other ranks'). To measure a rank's
     attention work on one device (benchmarks/attention.py); not for training."""
-    _check_shapes(query, key, value)
-    head_dim = query.shape[-1]
-    scale = float(head_dim**-0.5 if scale is None else scale)
-    impl = _choose_implementation(implementation, query.dtype, head_dim)
+    scale, impl = _prepare(query, key, value, scale, implementation)
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"rank_without_transfer: n must be an int >= 1, got {n!r}")
+    if isinstance(rank, int) and not 0 <= rank < n:
+        raise ValueError(f"rank_without_transfer: rank must be in [0, {n}), got {rank}")
     if impl == "public":
         raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
     plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)

@@ -32,7 +32,7 @@ F32 = jnp.float32
 class Config:
     plan: RankPlan
     scale: float
-    impl: str  # kernels.IMPLEMENTATIONS key
+    impl: str  # kernels.KERNELS key
     transfer: Any  # transfer.OnMeshAxis or transfer.NoTransfer (hashable)
 
 
