@@ -82,7 +82,9 @@ def _choose_implementation(implementation, dtype, head_dim: int) -> str:
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in kernels.CUDNN_DTYPES]:
         why_not = f"bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
     elif max_head_dim is None:
-        why_not = f"an NVIDIA GPU of compute capability 8.0 or newer, not {jax.devices()[0].device_kind}"
+        why_not = (
+            f"an NVIDIA GPU of compute capability 8.0 or newer, not {jax.local_devices()[0].device_kind}"
+        )
     elif head_dim % 8 or head_dim > max_head_dim:
         why_not = f"a head dim that is a multiple of 8, at most {max_head_dim} on this GPU; got {head_dim}"
     else:
@@ -101,11 +103,13 @@ def cudnn_max_head_dim() -> int | None:
     """The largest head dim cuDNN flash attention takes on this process's devices (256 from
     Hopper on, 128 on Ampere), or None where it cannot run (no NVIDIA GPU of compute capability
     8.0 or newer)."""
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or capability is None:
+    device = jax.local_devices()[0]
+    if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
+        return None  # the CPU, or ROCm (the primitives lower for CUDA only)
+    try:
+        major = int(str(device.compute_capability).split(".")[0])
+    except (AttributeError, ValueError):
         return None
-    major = int(str(capability).split(".")[0])
     return None if major < 8 else 256 if major >= 9 else 128
 
 
@@ -205,7 +209,7 @@ def dot_product_attention(
     if impl == "public":
         return public_path.attention(
             query, key, value, axis_name=axis_name, spec=spec, rank=rank, n=n, causal=is_causal,
-            scale=scale, implementation=("cudnn" if jax.devices()[0].platform == "gpu" else "xla"),
+            scale=scale, implementation=("cudnn" if jax.local_devices()[0].platform == "gpu" else "xla"),
         )  # fmt: skip
     plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
     cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec))
