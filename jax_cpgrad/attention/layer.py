@@ -18,6 +18,7 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 # At N = 1 the local layout is the whole sequence in natural order: no transfer is needed, and
 # the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
 SKIP_TRANSFER_WHEN_ALONE = True
+_NAME = "jax_cpgrad.dot_product_attention"  # in messages
 _warned_public_path = False
 kernels.cudnn_binds()  # looked up once, at import; a jax without them is told at first use
 
@@ -32,42 +33,37 @@ def attention_workspace_nbytes(key) -> int:
     return 2 * int(np.prod(shape)) * jnp.dtype(key.dtype).itemsize
 
 
-def _name(op: str = "dot_product_attention") -> str:
-    return f"jax_cpgrad.{op}"
-
-
 def _check_shapes(query, key, value) -> None:
     for label, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{_name()}: {label} is not an array: {type(x).__name__}")
+            raise ValueError(f"{_NAME}: {label} is not an array: {type(x).__name__}")
         if x.ndim != 4:
-            raise ValueError(f"{_name()}: {label} must be [B, T, N, H] (4 dimensions), got shape {x.shape}")
+            raise ValueError(f"{_NAME}: {label} must be [B, T, N, H] (4 dimensions), got shape {x.shape}")
         if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
             raise ValueError(
-                f"{_name()}: {label} has dtype {x.dtype}; float32, bfloat16 and float16 are supported"
+                f"{_NAME}: {label} has dtype {x.dtype}; float32, bfloat16 and float16 are supported"
             )
     if not query.dtype == key.dtype == value.dtype:
         raise ValueError(
-            f"{_name()}: query, key and value must share a dtype, got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}"
+            f"{_NAME}: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
     if key.shape != value.shape:
         raise ValueError(
-            f"{_name()}: key and value must have the same shape, got {key.shape} and {value.shape}"
+            f"{_NAME}: key and value must have the same shape, got {key.shape} and {value.shape}"
         )
     (b, t, n, h), (bk, tk, nk, hk) = query.shape, key.shape
     if (b, t) != (bk, tk):
         raise ValueError(
-            f"{_name()}: query and key must have the same batch and local length, got [B, T] = "
+            f"{_NAME}: query and key must have the same batch and local length, got [B, T] = "
             f"{[b, t]} and {[bk, tk]}"
         )
     if h != hk:
-        raise ValueError(f"{_name()}: query and key head dims differ: {h} and {hk}")
+        raise ValueError(f"{_NAME}: query and key head dims differ: {h} and {hk}")
     if nk == 0 or n % nk:
-        raise ValueError(f"{_name()}: the query heads ({n}) must be a multiple of the key/value heads ({nk})")
+        raise ValueError(f"{_NAME}: the query heads ({n}) must be a multiple of the key/value heads ({nk})")
     if t % 2:
         raise ValueError(
-            f"{_name()}: the local length T = {t} must be even: a rank holds two chunks of the "
+            f"{_NAME}: the local length T = {t} must be even: a rank holds two chunks of the "
             "load-balanced layout (jax_cpgrad.to_cp_layout)"
         )
 
@@ -75,7 +71,7 @@ def _check_shapes(query, key, value) -> None:
 def _choose_implementation(implementation, dtype, head_dim: int) -> str:
     """'xla', 'cudnn' or 'public' (cuDNN wanted, but this jax lacks the private primitives)."""
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{_name()}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
+        raise ValueError(f"{_NAME}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
     if implementation == "xla":
         return "xla"
     max_head_dim = cudnn_max_head_dim()
@@ -91,7 +87,7 @@ def _choose_implementation(implementation, dtype, head_dim: int) -> str:
         why_not = None
     if why_not is not None:
         if implementation == "cudnn":
-            raise ValueError(f"{_name()}: implementation='cudnn' needs {why_not}")
+            raise ValueError(f"{_NAME}: implementation='cudnn' needs {why_not}")
         return "xla"
     if kernels.cudnn_binds() is None:
         _warn_public_path()
@@ -135,7 +131,7 @@ def _prepare(query, key, value, scale, implementation) -> tuple[float, str]:
         scale = head_dim**-0.5
     if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool):
         raise ValueError(
-            f"{_name()}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
+            f"{_NAME}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
         )
     return float(scale), _choose_implementation(implementation, query.dtype, head_dim)
 
@@ -146,7 +142,7 @@ def _check_workspace(spec, axis_name: str, n: int, key) -> None:
     needed = attention_workspace_nbytes(key)
     if needed > spec.nbytes:
         raise ValueError(
-            f"{_name()}: workspace '{spec.name}' holds {spec.nbytes} bytes per call but this layer "
+            f"{_NAME}: workspace '{spec.name}' holds {spec.nbytes} bytes per call but this layer "
             f"needs {needed} (the local K and V: 2 x {list(key.shape)} x {jnp.dtype(key.dtype).itemsize} "
             "bytes); create it with nbytes=jax_cpgrad.attention_workspace_nbytes(key) or more"
         )
