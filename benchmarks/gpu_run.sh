@@ -92,7 +92,7 @@ for s in "$@"; do
       e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 benchmarks/cp_step.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")
       ;;
     memcheck | racecheck)
-      stage "$s" 300 bash benchmarks/sanitize_2ranks.sh "$s" correctness,wrap,errors
+      stage "$s" 300 bash benchmarks/sanitize_ranks.sh "$s" correctness,wrap,errors
       ;;
     *) echo "unknown stage $s" ;;
   esac

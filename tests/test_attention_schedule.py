@@ -1,10 +1,11 @@
 """The CP attention layer's order of work around its transfers, as lowered for GPUs (checked on the
 CPU): with an overlapped workspace the K/V gather's start comes first, then the local part's cuDNN
-attention, then the gather's done, then the remote part; in the backward pass the remote part's
-backward yields dK/dV, their return starts, the local part's backward follows, then the return's
-done. (The lowered text shows the order the data dependencies allow; the GPU suite checks that
-XLA's compiled schedule keeps it.) Under jax.checkpoint the backward recomputes the remote part
-only: the transfers have side effects, so their results are kept, never gathered twice."""
+attention, then the gather's done, then the remote part (causal: one call per query chunk); in
+the backward pass the remote part's backward yields dK/dV, their return starts, the local part's
+backward follows, then the return's done. (The lowered text shows the order the data
+dependencies allow; the GPU suite checks that XLA's compiled schedule keeps it.) Under
+jax.checkpoint the backward recomputes the remote part only: the transfers have side effects, so
+their results are kept, never gathered twice."""
 
 import re
 
@@ -56,9 +57,11 @@ def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffi
         f"jax_cpgrad_grad_return{suffix}_start",
         "jax_cpgrad_done",
     )
-    forward = [gather, fwd, done, fwd]  # start, local part, done, remote part
-    backward = [bwd, give_back, bwd, done]  # remote part's backward, return start, local part's, done
-    recomputed = [fwd] if remat else []
+    remote_calls = 2 if causal else 1  # causal: one call per query chunk
+    forward = [gather, fwd, done] + [fwd] * remote_calls  # start, local part, done, remote part
+    # the remote part's backward, the return's start, the local part's backward, the done
+    backward = [bwd] * remote_calls + [give_back, bwd, done]
+    recomputed = [fwd] * remote_calls if remat else []
     assert _lowered_targets(ws, remat, causal) == forward + recomputed + backward
 
 

