@@ -80,11 +80,10 @@ class RankPlan:
         part read no key), the key gradients summed in float32 and rounded once;
         ``backward(q, k, v, out, lse, d_out, kv_len)`` is one kernel call."""
         if not self.causal:
-            others = self._other_chunks(rank)
             dq, dk, dv = backward(
                 q, self._others(k_glob, rank), self._others(v_glob, rank), out, lse, d_out, None
             )
-            return dq, self._spread(dk, others), self._spread(dv, others)
+            return dq, self._spread(dk, rank), self._spread(dv, rank)
         grads = [
             backward(q_c, k_glob, v_glob, o_c, lse_c, do_c, kv_len)
             for q_c, o_c, lse_c, do_c, kv_len in zip(
@@ -108,12 +107,17 @@ class RankPlan:
             b, -1, *x.shape[2:]
         )
 
-    def _spread(self, g, others):
-        """[B, (2N-2)c, ...] of the other chunks -> [B, S, ...] natural order, zero elsewhere."""
+    def _spread(self, g, rank):
+        """[B, (2N-2)c, ...] of the other chunks -> [B, S, ...] natural order, zero in the rank's
+        own chunks: a gather from the chunks and one zero chunk (a scatter would be a sort under
+        --xla_gpu_deterministic_ops)."""
         b = g.shape[0]
         chunks = g.reshape(b, 2 * self.n - 2, -1, *g.shape[2:])
-        full = jnp.zeros((b, 2 * self.n, *chunks.shape[2:]), g.dtype).at[:, others].set(chunks)
-        return full.reshape(b, -1, *g.shape[2:])
+        chunks = jnp.concatenate([chunks, jnp.zeros_like(chunks[:, :1])], axis=1)
+        j = jnp.arange(2 * self.n)
+        own = (j == rank) | (j == 2 * self.n - 1 - rank)
+        where = jnp.where(own, 2 * self.n - 2, j - (j > rank) - (j > 2 * self.n - 1 - rank))
+        return jnp.take(chunks, where, axis=1).reshape(b, -1, *g.shape[2:])
 
     def _other_chunks(self, rank):
         """The 2N-2 global chunks other than r and 2N-1-r, in order (r < 2N-1-r always)."""
