@@ -72,10 +72,11 @@ def test_layer_schedule_fails_without_the_dones_wait(gpu):
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_ranks_sharing_one_gpu(gpu, n):
     scenarios = ["values", "schedule"]
-    # With --xla_gpu_deterministic_ops=true, XLA (jax 0.11.2) fails to run the step of 2 ranks
-    # sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
-    # execute_sharded; 1 and 4 ranks run): at N = 2 the results are compared within a tolerance.
-    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop", **(DETERMINISTIC if n != 2 else {})}
+    # With --xla_gpu_deterministic_ops=true, XLA (jax 0.11.2) fails to run the layer's step for
+    # processes sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
+    # execute_sharded), so here two runs are compared within a tolerance (cuDNN's dQ atomics);
+    # the same bits every run are checked at N = 1 (test_layer_n1_device_protocol).
+    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop"}
     try:
         results = launch.launch(
             [sys.executable, WORKER, ",".join(scenarios)], n, timeout_s=600, env=env, echo=False
