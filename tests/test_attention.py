@@ -248,7 +248,9 @@ def test_under_vmap(causal):
     """jax.vmap over a leading axis of q, k and v (e.g. micro-batches) inside shard_map: each slice
     equals the layer run on that slice alone, values and gradients."""
     n, seq, slices = 4, 64, 3
-    stacked = [np.stack(xs) for xs in zip(*(ac.random_inputs(seq, seed=20 + i) for i in range(slices)))]
+    stacked = [
+        np.stack(xs) for xs in zip(*(ac.random_inputs(seq, seed=20 + i) for i in range(slices)), strict=True)
+    ]
     mesh = cp_mesh(n)
     spec = jax.sharding.PartitionSpec(None, None, "cp")
     layer_fn = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", is_causal=causal)

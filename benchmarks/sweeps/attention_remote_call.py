@@ -1,0 +1,87 @@
+"""One remote call of the CP attention layer (c queries against the (2N-1)c keys of rank 0's far
+chunk), fwd + bwd through the layer's cuDNN kernels, four ways side by side: the key count a run-time
+value (padding mask over all S gathered keys, as the layer must: shapes are the same on every rank)
+or static (no mask, the keys sliced beforehand, outside the timing); the G query heads of a key head
+as heads (GQA) or folded into G x c rows of one head. Each against its ideal: the unsharded causal
+call's time times the call's share of the causal work, (2N-1) / (2N^2).
+
+    python benchmarks/sweeps/attention_remote_call.py   # benchmarks/results/h200_attention_remote_call.log
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_cpgrad.attention import kernels
+
+F32 = jnp.float32
+
+
+def bench(f, *args, reps=5, iters=10):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best * 1e3
+
+
+def call(fold_heads, static):
+    def f(q, k, v, do, kv_len):
+        b, t, h, d = q.shape
+        hk = k.shape[2]
+        g = h // hk
+        kl = None if static else kv_len
+        if fold_heads:
+            qf = q.reshape(b, t, hk, g, d).transpose(0, 3, 1, 2, 4).reshape(b, g * t, hk, d)
+            dof = do.reshape(b, t, hk, g, d).transpose(0, 3, 1, 2, 4).reshape(b, g * t, hk, d)
+        else:
+            qf, dof = q, do
+        o, lse = kernels._cudnn_forward(qf, k, v, causal=False, scale=0.1, kv_len=kl)
+        dq, dk, dv = kernels._cudnn_backward(qf, k, v, o, lse, dof, causal=False, scale=0.1, kv_len=kl)
+        return dq, dk, dv, o
+
+    return jax.jit(f)
+
+
+for S, n, hk in ((16384, 8, 8), (16384, 8, 32), (32768, 8, 8), (16384, 4, 8)):
+    c = S // (2 * n)
+    h, d = 32, 128
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (1, c, h, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, S, hk, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, S, hk, d), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (1, c, h, d), jnp.bfloat16)
+    L = (2 * n - 1) * c
+    kv_len = jnp.full((1,), L, jnp.int32)
+    res = {}
+    for fold in (False, True):
+        if fold and hk == h:
+            continue
+        for static in (False, True):
+            kk, vv = (k[:, :L], v[:, :L]) if static else (k, v)
+            res[(fold, static)] = bench(call(fold, static), q, kk, vv, do, kv_len)
+    # the causal share: unsharded causal attention of S tokens, fwd+bwd, /(2N) per query chunk... and the
+    # ideal of this call: (2N-1) c x c blocks of the S^2/2 causal work
+    qs = jax.random.normal(ks[0], (1, S, h, d), jnp.bfloat16)
+    kss = jax.random.normal(ks[1], (1, S, hk, d), jnp.bfloat16)
+    full = jax.jit(
+        jax.grad(
+            lambda q, k, v: jnp.sum(
+                jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(F32)
+            ),
+            argnums=(0, 1, 2),
+        )
+    )
+    t_full = bench(full, qs, kss, kss)
+    ideal = t_full * (2 * n - 1) / (2 * n * n)  # (2N-1) of the S^2/2 / c^2 = 2N^2 blocks
+    line = " ".join(
+        f"{'fold' if f else 'gqa '}{'/static' if s else '/padded'} {t:.3f} ({t / ideal:.2f})"
+        for (f, s), t in res.items()
+    )
+    print(f"S={S} n={n} hk={hk} c={c}: ideal {ideal:.3f} ms | {line}", flush=True)
