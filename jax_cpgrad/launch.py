@@ -76,10 +76,35 @@ def finish(code: int = 0, timeout_s: float = 600.0) -> None:
     except Exception:  # a computation that failed raised where it ran: leave all the same
         pass
     if jax.process_count() > 1:
-        _distributed.barrier("jax_cpgrad/launch/finish", timeout_s)
+        key = "jax_cpgrad/launch/finish"
+        _distributed.publish(key, dict(host=socket.gethostname(), pid=os.getpid()))
+        _distributed.barrier(key, timeout_s)
+        if jax.process_index() == 0:  # the service's host leaves last
+            _wait_for_the_others(_distributed.collect(key, timeout_s)[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _wait_for_the_others(ranks: list[dict], timeout_s: float = 10.0) -> None:
+    """Until the other ranks' processes have exited: one still running when the coordination
+    service goes away aborts (its client's error poll), whatever it was about to do. Ranks of this
+    host are watched by pid (a zombie counts as gone); for ranks elsewhere, a second's grace."""
+    here = socket.gethostname()
+    pids = [r["pid"] for r in ranks if r["host"] == here]
+    deadline = time.monotonic() + timeout_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if any(r["host"] != here for r in ranks):
+        time.sleep(1.0)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def rank() -> int:
