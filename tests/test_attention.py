@@ -17,7 +17,7 @@ from spmd import cp_mesh
 from workspace_stub import workspace_spec
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2, jnp.float16: 1e-2}
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa_g3": (6, 2), "mqa": (4, 1)}  # gqa_g3: G != K
 
 
 def _check(n, *, causal=True, heads="gqa", dtype=jnp.float32, chunk=8, batch=1, **kw):
@@ -139,8 +139,9 @@ def test_the_xla_kernels_clear_rows_that_see_no_key():
 class _FakeCudnnPrimitives:
     """Stands in for jax's private cuDNN primitives on the CPU: the XLA kernels given the operands
     and parameters as the layer binds them, writing NaN where cuDNN leaves values unspecified
-    (padded key rows of dK/dV), so that the layer's cuDNN code (operand order, the clamp of empty
-    entries, the masks) is checked here and not only on a GPU."""
+    (padded key rows of dK/dV; query rows past q_len in every output), so that the layer's cuDNN
+    code (operand order, the lengths, the clamp of empty entries, the masks) is checked here and
+    not only on a GPU."""
 
     class MaskType:
         NO_MASK, PADDING, CAUSAL, PADDING_CAUSAL = "none", "padding", "causal", "padding_causal"
@@ -156,7 +157,8 @@ class _FakeCudnnPrimitives:
         class Fwd:
             @staticmethod
             def bind(q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, *, mask_type, scale, **_):
-                return kernels._xla_forward(q, k, v, **fake._args(mask_type, scale, kv_len))
+                out, lse = kernels._xla_forward(q, k, v, **fake._args(mask_type, scale, kv_len))
+                return fake._past_q_len(out, q_len, 1), fake._past_q_len(lse, q_len, 2)
 
         class Bwd:
             @staticmethod
@@ -169,10 +171,20 @@ class _FakeCudnnPrimitives:
                 if kv_len.size:  # unspecified rows, as cuDNN leaves them
                     pad = (jnp.arange(k.shape[1]) >= kv_len[:, None])[:, :, None, None]
                     dk, dv = (jnp.where(pad, jnp.nan, g) for g in (dk, dv))
-                return dq, dk, dv
+                return fake._past_q_len(dq, q_len, 1), dk, dv
 
         self._dot_product_attention_fwd_p_wrapper = Fwd
         self._dot_product_attention_bwd_p_wrapper = Bwd
+
+    @staticmethod
+    def _past_q_len(x, q_len, axis: int):
+        """NaN in the query rows (along ``axis``) at or past each entry's q_len."""
+        if not q_len.size:
+            return x
+        rows = jnp.arange(x.shape[axis]) >= q_len[:, None]  # [B, T]
+        shape = [x.shape[0]] + [1] * (x.ndim - 1)
+        shape[axis] = x.shape[axis]
+        return jnp.where(rows.reshape(shape), jnp.nan, x)
 
     def _args(self, mask_type, scale, kv_len):
         causal = mask_type in (self.MaskType.CAUSAL, self.MaskType.PADDING_CAUSAL)
@@ -182,18 +194,23 @@ class _FakeCudnnPrimitives:
         return dict(causal=causal, scale=scale, kv_len=kv_len if kv_len.size else None)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize(
+    "n,split_alone", [(1, False), (1, True), (2, False), (4, False)], ids=["1", "1-split", "2", "4"]
+)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_the_cudnn_code_path_with_stand_in_primitives(monkeypatch, n, causal):
+@pytest.mark.parametrize("heads", ["gqa_g3", "mqa"])
+def test_the_cudnn_code_path_with_stand_in_primitives(monkeypatch, n, split_alone, causal, heads):
     fake = _FakeCudnnPrimitives()
     monkeypatch.setattr(kernels, "cudnn_binds", lambda: (fake, {}))
     monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)
+    monkeypatch.setattr(layer, "SKIP_TRANSFER_WHEN_ALONE", not split_alone)
     _check(
-        n, causal=causal, heads="gqa", dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn", scale=0.3
+        n, causal=causal, heads=heads, dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn", scale=0.3
     )
     jax.effects_barrier()
     assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
-    assert bool(fake.key_counts) == (causal and n > 1)  # padded entries: the causal remote part
+    # padded entries: the causal remote part (rank 0's first chunk has no remote key)
+    assert bool(fake.key_counts) == (causal and (n > 1 or split_alone))
 
 
 def test_workspace_nbytes_helper():

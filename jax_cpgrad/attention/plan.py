@@ -38,7 +38,7 @@ class RankPlan:
 
     @property
     def folds_chunks(self) -> bool:
-        """Causal parts take the two chunks as two batch entries of c rows each."""
+        """The causal local part takes the two chunks as two batch entries of c rows each."""
         return self.causal and self.has_remote
 
     # -- local ---------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ class RankPlan:
 
     def remote_backward(self, backward, q, k_glob, v_glob, out, lse, d_out, rank):
         """The remote part's (dq [B, T, N, H], dk, dv [B, S, K, H] natural order: zero where the
-        part read no key), the key gradients summed in float32 and rounded once;
+        part read no key): the two calls' key gradients summed in float32, the sum rounded once;
         ``backward(q, k, v, out, lse, d_out, kv_len)`` is one kernel call."""
         if not self.causal:
             dq, dk, dv = backward(

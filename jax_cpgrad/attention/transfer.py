@@ -35,9 +35,10 @@ class OnMeshAxis:
 @dataclasses.dataclass(frozen=True)
 class NoTransfer:
     """A rank of ``n`` alone: the gathered arrays are n copies of the local ones (not the other
-    ranks' data: for timing only), and the returned gradients are the rank's own rows. The whole
-    gradients are materialized first, as a transport would read them (without the barrier XLA
-    would compute only the rows kept, and the timing would miss work a real rank does)."""
+    ranks' data: for timing only), and the returned gradients are their first S/n rows (the shape
+    a rank gets back, not its chunks). The whole gradients are materialized first, as a transport
+    would read them (without the barrier XLA would compute only the rows kept, and the timing
+    would miss work a real rank does)."""
 
     n: int
 
