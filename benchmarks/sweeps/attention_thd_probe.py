@@ -23,15 +23,7 @@ _, extra = kernels.cudnn_binds()
 
 
 def params(mask):
-    return dict(
-        scale=0.125,
-        seed=0,
-        dropout_rate=0.0,
-        variadic_args=(False, False),
-        mask_type=mask,
-        layout=fas.AttentionLayout.BTNH.value,
-        sliding_window_length=None,
-    )
+    return kernels.cudnn_params(fas, mask, 0.125)
 
 
 def packed_ops(q, k, q_off, q_len, kv_off, kv_len):
@@ -53,7 +45,8 @@ def bwd(q, k, v, o, lse, do, *seg, mask=fas.MaskType.PADDING):
 
 
 def segments(b, n, c, r):
-    """q row = [chunk r, chunk 2n-1-r]; packed K = [short prefix (r chunks), long prefix, pad]."""
+    """q row = [chunk r, chunk 2n-1-r]; packed K = [one spare row, short prefix (r chunks), long
+    prefix]; at r = 0 the empty segment reads the spare row."""
     q_off = jnp.tile(jnp.array([[0, c, -1]], jnp.int32), (b, 1))
     q_len = jnp.tile(jnp.array([[c, c]], jnp.int32), (b, 1))
     short, long_ = r * c, (2 * n - 1 - r) * c

@@ -125,7 +125,12 @@ def _cudnn_operands(fas, q, causal: bool, scale: float, kv_len):
         # produced (_clear_empty_rows, the backward's masks).
         lengths = (q_len, jnp.maximum(kv_len, 1).astype(jnp.int32))
         mask = fas.MaskType.PADDING_CAUSAL if causal else fas.MaskType.PADDING
-    params = dict(
+    return (unused, *lengths, unused, unused, unused, unused), cudnn_params(fas, mask, scale)
+
+
+def cudnn_params(fas, mask, scale: float) -> dict:
+    """The primitives' parameters for ``mask`` (a ``fas.MaskType``): no dropout, no bias, BTNH."""
+    return dict(
         scale=float(scale),
         seed=0,
         dropout_rate=0.0,
@@ -134,7 +139,6 @@ def _cudnn_operands(fas, q, causal: bool, scale: float, kv_len):
         layout=fas.AttentionLayout.BTNH.value,
         sliding_window_length=None,
     )
-    return (unused, *lengths, unused, unused, unused, unused), params
 
 
 def _cudnn_forward(q, k, v, *, causal: bool, scale: float, kv_len=None):
