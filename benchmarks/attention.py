@@ -5,7 +5,8 @@
 For each sequence length S and number of key/value heads: forward + backward of
 ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")`` on the whole sequence
 (t_unsharded), and of the layer's computation for a rank of N with its real shapes and no
-transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest rank measured).
+transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest of ranks 0, N/2
+and N-1).
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
 bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). Times: the mean of --iters calls in a
@@ -106,7 +107,7 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
             )
         )
         # One compiled program for every rank: the rank is a runtime value.
-        ranks = sorted({0, n - 1})
+        ranks = sorted({0, n // 2, n - 1})
         per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
         say(f"  N={n}: ranks {', '.join(f'{r}: {t * 1e3:.3f} ms' for r, t in per_rank.items())}")
         kernels = dict(kernels_rank0=kernel_table(step, (*data, jnp.int32(0)), opts, say))

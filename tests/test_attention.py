@@ -209,8 +209,9 @@ def test_the_cudnn_code_path_with_stand_in_primitives(monkeypatch, n, split_alon
     )
     jax.effects_barrier()
     assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
-    # padded entries: the causal remote part (rank 0's first chunk has no remote key)
-    assert bool(fake.key_counts) == (causal and (n > 1 or split_alone))
+    # padded entries: the causal remote part's paired call (rank 0's first chunk has no remote
+    # key, rank N-1's second chunk none in the second half)
+    assert bool(fake.key_counts) == (causal and n > 1)
 
 
 def test_workspace_nbytes_helper():

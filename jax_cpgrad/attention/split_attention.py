@@ -6,11 +6,11 @@ compute the remote part against the gathered keys; merge. Backward: compute the 
 backward first, which yields this rank's dK/dV for the whole sequence; start returning them to
 their owners; compute the local part's backward; finish the return and add the local dK/dV.
 
-The merge has its own VJP. With O = sum_p w_p O_p, w_p = exp(L_p - L) and L = logsumexp_p L_p,
-part p's scores S_p take the merged probabilities P = exp(S_p - L), so the exact score gradient
-is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged* O and L: what a flash-attention
-backward computes when it is given (O, L) instead of the part's own (O_p, L_p), with the unscaled
-dO. Each part's backward runs that way (kernels.backward).
+The merge has its own VJP. With O = sum_p w_p O_p over the parts p, w_p = exp(L_p - L) and
+L = logsumexp_p L_p, part p's scores S_p take the merged probabilities P = exp(S_p - L), so the
+exact score gradient is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged* O and L: what a
+flash-attention backward computes when it is given (O, L) instead of the part's own (O_p, L_p),
+with the unscaled dO. Each part's backward runs that way (kernels.backward).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ class Config:
     transfer: Any  # transfer.OnMeshAxis or transfer.NoTransfer (hashable)
 
 
-def merge(first, second):
-    """(out, lse) of two parts of the same queries' attention; out in the first's dtype."""
-    (o1, l1), (o2, l2) = first, second
-    lse = jnp.logaddexp(l1, l2)  # finite: every query sees at least its own key (the local part)
+def merge(*parts):
+    """(out, lse) of parts of the same queries' attention, each an (out, lse) pair: summed in
+    float32, rounded once to the first part's dtype."""
+    lse = functools.reduce(jnp.logaddexp, [lp for _, lp in parts])  # finite: every query sees its own key
     weight = lambda lp: jnp.swapaxes(jnp.exp(lp - lse), -1, -2)[..., None]  # [B, T, N, 1]
-    out = weight(l1) * o1.astype(F32) + weight(l2) * o2.astype(F32)
-    return out.astype(o1.dtype), lse
+    out = sum(weight(lp) * op.astype(F32) for op, lp in parts)
+    return out.astype(parts[0][0].dtype), lse
 
 
 def _local_forward(cfg: Config, q, k, v):
@@ -77,8 +77,7 @@ def _forward(cfg: Config, q, k, v, rank):
         return out, lse, (q, k, v, k, v, out, lse, rank)
     (k_glob, v_glob), local = cfg.transfer.gather((k, v), functools.partial(_local_forward, cfg), q, k, v)
     remote_kernel = functools.partial(_remote_kernel, cfg, kernels.forward)
-    remote = plan.remote_forward(remote_kernel, q, k_glob, v_glob, rank)
-    out, lse = merge(local, remote)
+    out, lse = merge(local, *plan.remote_forward(remote_kernel, q, k_glob, v_glob, rank))
     return out, lse, (q, k, v, k_glob, v_glob, out, lse, rank)
 
 
