@@ -1,6 +1,6 @@
 """The CP attention layer's order of work around its transfers, as lowered for GPUs (checked on the
 CPU): with an overlapped workspace the K/V gather's start comes first, then the local part's cuDNN
-attention, then the gather's done, then the remote part (causal: one call per query chunk); in
+attention, then the gather's done, then the remote part (causal: the paired and the far call); in
 the backward pass the remote part's backward yields dK/dV, their return starts, the local part's
 backward follows, then the return's done. (The lowered text shows the order the data
 dependencies allow; the GPU suite checks that XLA's compiled schedule keeps it.) Under
@@ -57,7 +57,7 @@ def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffi
         f"jax_cpgrad_grad_return{suffix}_start",
         "jax_cpgrad_done",
     )
-    remote_calls = 2 if causal else 1  # causal: one call per query chunk
+    remote_calls = 2 if causal else 1  # causal: the paired and the far call (plan.py)
     forward = [gather, fwd, done] + [fwd] * remote_calls  # start, local part, done, remote part
     # the remote part's backward, the return's start, the local part's backward, the done
     backward = [bwd] * remote_calls + [give_back, bwd, done]

@@ -139,7 +139,7 @@ def test_the_cudnn_peer_step_lowers_for_cuda(overlap, monkeypatch):
     text = cs.make_step(cfg, mesh, "peer", ws).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = Counter(re.findall(r"custom_call @([\w$]+)\(", text))
     # Per layer: K/V gathered forward, dK/dV returned backward (start/done pairs with overlap);
-    # the local part and the remote part's two calls (one per query chunk) each way.
+    # the local part and the remote part's two calls (paired and far) each way.
     suffix = "_start" if overlap else ""
     assert (
         calls[f"jax_cpgrad_all_gather{suffix}"] == calls[f"jax_cpgrad_grad_return{suffix}"] == cfg.layers
