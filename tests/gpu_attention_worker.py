@@ -12,6 +12,7 @@ the transfer's path (two chunks, gather and return on the workspace) runs on one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -179,7 +180,72 @@ def schedule_unjoined(mesh, n):
     return _result({"results_go_wrong_without_the_wait": any(differ)}, steps_differ=differ)
 
 
-SCENARIOS = {"values": values, "schedule": schedule, "schedule_unjoined": schedule_unjoined}
+def vmapped(mesh, n):
+    """jax.vmap over a leading axis (2 micro-batches) inside shard_map with a peer workspace sized
+    for both (attention_workspace_nbytes of a key with both slices' rows): each slice within 5e-2
+    of the float32 unsharded attention, causal and full; a workspace sized for one slice is
+    refused with the size it needs (the handler's check), not overrun."""
+    slices = 2
+    key = jax.ShapeDtypeStruct((slices, 2 * CHUNK, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    checks, errors = {}, {}
+    for causal in (True, False):
+        per_slice = [_inputs(n, seed=30 + i + 10 * causal) for i in range(slices)]
+        nbytes = cpg.attention_workspace_nbytes(key)
+        with cpg.Workspace(mesh, "cp", nbytes=nbytes, protocol=PROTOCOL) as ws:
+            got = vmapped_layer(mesh, per_slice, causal=causal, workspace=ws)
+        for i, inputs in enumerate(per_slice):
+            tag = f"{'causal' if causal else 'full'}_slice{i}"
+            errors[tag] = ac.relative_errors(got[i], ac.reference(*inputs, causal=causal))
+            checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
+    with _workspace(mesh, overlap=False) as one_slice:
+        try:
+            vmapped_layer(mesh, per_slice, causal=True, workspace=one_slice)
+            refusal = ""
+        except Exception as e:  # noqa: BLE001 (XLA raises the handler's INVALID_ARGUMENT as it likes)
+            refusal = str(e)
+    checks["one_slice_workspace_refused_with_the_size"] = "larger nbytes" in refusal
+    return _result(checks, errors=errors, refusal=refusal[-400:])
+
+
+def vmapped_layer(mesh, per_slice, *, causal: bool, workspace):
+    """The layer under jax.vmap over the slices' inputs (each (q, k, v, ct) [B, S, ...]): for each
+    slice, {name: {rank: local rows}} of the output and gradients held by this process."""
+    n = mesh.shape["cp"]
+    layer_fn = functools.partial(
+        cpg.dot_product_attention, axis_name="cp", workspace=workspace, is_causal=causal
+    )
+
+    def one(q, k, v, ct):
+        out, vjp = jax.vjp(layer_fn, q, k, v)
+        return (out, *vjp(ct))
+
+    spec = jax.sharding.PartitionSpec(None, None, "cp")
+    step = jax.jit(jax.shard_map(jax.vmap(one), mesh=mesh, in_specs=spec, out_specs=spec))
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    stacked = [
+        np.stack([np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in xs])
+        for xs in zip(*per_slice, strict=True)
+    ]
+    placed = [
+        jax.make_array_from_callback(
+            x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
+        )
+        for x in stacked
+    ]
+    outs = step(*placed)
+    length = outs[0].shape[2] // n
+    rows = lambda o, i: {
+        (s.index[2].start or 0) // length: np.asarray(s.data[i], np.float32) for s in o.addressable_shards
+    }
+    return [{name: rows(o, i) for name, o in zip(ac.NAMES, outs, strict=True)} for i in range(len(per_slice))]
+
+
+SCENARIOS = {
+    "values": values,
+    "schedule": schedule,
+    "schedule_unjoined": schedule_unjoined,
+    "vmapped": vmapped,
+}
 
 
 def main(names: list[str]) -> int:

@@ -61,7 +61,7 @@ def _one_process(scenarios, protocol: str):
 
 
 def test_layer_n1_device_protocol(gpu):
-    _one_process(["values", "schedule"], "device")
+    _one_process(["values", "schedule", "vmapped"], "device")
 
 
 def test_layer_schedule_fails_without_the_dones_wait(gpu):
@@ -71,7 +71,7 @@ def test_layer_schedule_fails_without_the_dones_wait(gpu):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_ranks_sharing_one_gpu(gpu, n):
-    scenarios = ["values", "schedule"]
+    scenarios = ["values", "schedule", "vmapped"]
     # With --xla_gpu_deterministic_ops=true, XLA (jax 0.11.2) fails to run the layer's step for
     # processes sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
     # execute_sharded), so here two runs are compared within a tolerance (cuDNN's dQ atomics);
