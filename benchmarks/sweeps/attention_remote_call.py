@@ -8,27 +8,21 @@ call's time times the call's share of the causal work, (2N-1) / (2N^2).
     python benchmarks/sweeps/attention_remote_call.py   # benchmarks/results/h200_attention_remote_call.log
 """
 
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax_cpgrad.attention import kernels
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from attention import fwd_bwd, seconds  # noqa: E402
 
-F32 = jnp.float32
+from jax_cpgrad.attention import kernels  # noqa: E402
 
 
-def bench(f, *args, reps=5, iters=10):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return best * 1e3
+def bench(f, *args):
+    """Milliseconds per call: the best of 5 runs of 10 calls (benchmarks/attention.py's timer)."""
+    return seconds(f, args, iters=10, reps=5) * 1e3
 
 
 def call(fold_heads, static):
@@ -70,15 +64,10 @@ for S, n, hk in ((16384, 8, 8), (16384, 8, 32), (32768, 8, 8), (16384, 4, 8)):
     # ideal of this call: (2N-1) c x c blocks of the S^2/2 causal work
     qs = jax.random.normal(ks[0], (1, S, h, d), jnp.bfloat16)
     kss = jax.random.normal(ks[1], (1, S, hk, d), jnp.bfloat16)
-    full = jax.jit(
-        jax.grad(
-            lambda q, k, v: jnp.sum(
-                jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(F32)
-            ),
-            argnums=(0, 1, 2),
-        )
+    full = fwd_bwd(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     )
-    t_full = bench(full, qs, kss, kss)
+    t_full = bench(full, qs, kss, kss, qs)
     ideal = t_full * (2 * n - 1) / (2 * n * n)  # (2N-1) of the S^2/2 / c^2 = 2N^2 blocks
     line = " ".join(
         f"{'fold' if f else 'gqa '}{'/static' if s else '/padded'} {t:.3f} ({t / ideal:.2f})"
