@@ -6,7 +6,9 @@ For each sequence length S and number of key/value heads: forward + backward of
 ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")`` on the whole sequence
 (t_unsharded), and of the layer's computation for a rank of N with its real shapes and no
 transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest of ranks 0, N/2
-and N-1).
+and N-1). t_rank includes the emulation's stand-in for the K/V gather (n local copies of K and V
+concatenated, which a real rank's transfer replaces): timed alone too, and printed and kept in
+the JSON (t_stand_in_gather_ms), not subtracted.
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
 bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). Times: the mean of --iters calls in a
@@ -29,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import step_profile  # noqa: E402
 
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
+from jax_cpgrad.attention.transfer import NoTransfer  # noqa: E402
 
 
 def parse_tokens(text: str) -> int:
@@ -109,9 +112,14 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         # One compiled program for every rank: the rank is a runtime value.
         ranks = sorted({0, n // 2, n - 1})
         per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
-        say(f"  N={n}: ranks {', '.join(f'{r}: {t * 1e3:.3f} ms' for r, t in per_rank.items())}")
+        stand_in = stand_in_seconds(n, data[1:3], opts) if n > 1 else 0.0
+        say(
+            f"  N={n}: ranks {', '.join(f'{r}: {t * 1e3:.3f} ms' for r, t in per_rank.items())}; of which "
+            f"the stand-in gather (a copy the real transfer replaces) {stand_in * 1e3:.3f} ms"
+        )
         kernels = dict(kernels_rank0=kernel_table(step, (*data, jnp.int32(0)), opts, say))
-        pending.append((dict(seq=seq, kv_heads=kv_heads, n=n, chunk=chunk, per_rank=per_rank), kernels))
+        row = dict(seq=seq, kv_heads=kv_heads, n=n, chunk=chunk, per_rank=per_rank, stand_in=stand_in)
+        pending.append((row, kernels))
         del data
     # The unsharded call again, after the ranks: its best reading is the reference (a single
     # reading taken first, while the GPU warms up, has read up to 8% slow).
@@ -122,6 +130,13 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         _row(**args, t_full=t_full, opts=opts, say=say) | kernels | dict(kernels_unsharded=kernels_full)
         for args, kernels in pending
     ]
+
+
+def stand_in_seconds(n: int, key_value, opts) -> float:
+    """The time of the K/V gather's stand-in in ``rank_without_transfer``: n local copies of K and V
+    concatenated, a copy that a real rank does not make (its transfer writes the gathered keys)."""
+    gather = jax.jit(lambda k, v: NoTransfer(n).gather((k, v), lambda: None)[0])
+    return seconds(gather, key_value, opts.iters, opts.reps)
 
 
 def kernel_table(f, args, opts, say) -> list:
@@ -135,7 +150,7 @@ def kernel_table(f, args, opts, say) -> list:
     return [dict(name=name, us=us, launches=launches) for name, us, launches in top]
 
 
-def _row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say) -> dict:
+def _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say) -> dict:
     t_rank = max(per_rank.values())
     ratio = n * t_rank / t_full
     goal = target(n, chunk)
@@ -146,6 +161,7 @@ def _row(seq, kv_heads, n, chunk, per_rank, t_full, opts, say) -> dict:
         seq=seq, kv_heads=kv_heads, heads=opts.heads, head_dim=opts.head_dim, n=n, chunk=chunk,
         t_unsharded_ms=t_full * 1e3, t_rank_ms=t_rank * 1e3,
         t_rank_by_rank_ms={str(r): t * 1e3 for r, t in per_rank.items()},
+        t_stand_in_gather_ms=stand_in * 1e3,
         ratio=ratio, target=goal, meets_target=None if goal is None else ratio <= goal,
     )  # fmt: skip
 
