@@ -188,34 +188,29 @@ ffi::Error Backward(cudaStream_t stream, int device, ffi::ScratchAllocator scrat
               {kDV, dv->untyped_data()}});
 }
 
+// What both handlers take first: the stream, the device, scratch, the attributes, q, k and v.
+auto bind_q_k_v() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::ScratchAllocator>()
+      .Attr<float>("scale")
+      .Attr<int64_t>("mask")
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BottomRightForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("mask")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              bind_q_k_v().Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BottomRightBackward, Backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("mask")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
+                              bind_q_k_v()
+                                  .Arg<ffi::AnyBuffer>()         // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::AnyBuffer>()         // do
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
