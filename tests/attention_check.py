@@ -33,7 +33,16 @@ def reference(q, k, v, ct, *, causal=True, scale=None):
 
 
 def cp_layer(
-    mesh, inputs, *, dtype, causal=True, workspace=None, implementation=None, remat=False, scale=None
+    mesh,
+    inputs,
+    *,
+    dtype,
+    causal=True,
+    workspace=None,
+    implementation=None,
+    remat=False,
+    scale=None,
+    head_groups=1,
 ):
     """The layer's output and gradients, as {name: {rank: local rows}} for the ranks this process
     holds (numpy float32; no collective gathers them: XLA's refuse ranks that share a GPU)."""
@@ -45,6 +54,7 @@ def cp_layer(
         is_causal=causal,
         implementation=implementation,
         scale=scale,
+        head_groups=head_groups,
     )
     if remat:
         layer = jax.checkpoint(layer)

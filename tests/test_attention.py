@@ -62,6 +62,18 @@ def test_custom_scale_and_batch_rows():
     assert max(errs.values()) <= TOLERANCE[jnp.float32], errs
 
 
+@pytest.mark.parametrize(
+    "n,heads,groups", [(2, "mha", 2), (4, "mha", 4), (8, "gqa", 2), (4, "gqa_g3", 2)], ids=str
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_groups_pipeline_matches_unsharded_attention(n, heads, groups, causal):
+    _check(n, causal=causal, heads=heads, head_groups=groups)
+
+
+def test_head_groups_under_jax_checkpoint_and_bfloat16():
+    _check(4, heads="mha", dtype=jnp.bfloat16, chunk=16, head_groups=2, remat=True)
+
+
 def test_the_split_path_at_n1(monkeypatch):
     """At N = 1 the layer is one attention call; the two-part path (what the transfer's path
     runs at N = 1 on one GPU) must be exact too."""
@@ -198,15 +210,18 @@ class _FakeCudnnPrimitives:
     "n,split_alone", [(1, False), (1, True), (2, False), (4, False)], ids=["1", "1-split", "2", "4"]
 )
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("heads", ["gqa_g3", "mqa"])
-def test_the_cudnn_code_path_with_stand_in_primitives(monkeypatch, n, split_alone, causal, heads):
+@pytest.mark.parametrize("heads,head_groups", [("gqa_g3", 1), ("mqa", 1), ("gqa_g3", 2)], ids=str)
+def test_the_cudnn_code_path_with_stand_in_primitives(
+    monkeypatch, n, split_alone, causal, heads, head_groups
+):
     fake = _FakeCudnnPrimitives()
     monkeypatch.setattr(kernels, "cudnn_binds", lambda: (fake, {}))
     monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)
     monkeypatch.setattr(layer, "SKIP_TRANSFER_WHEN_ALONE", not split_alone)
     _check(
-        n, causal=causal, heads=heads, dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn", scale=0.3
-    )
+        n, causal=causal, heads=heads, dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn",
+        scale=0.3, head_groups=head_groups,
+    )  # fmt: skip
     jax.effects_barrier()
     assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
     # padded entries: the causal remote part's paired call (rank 0's first chunk has no remote
@@ -247,6 +262,9 @@ def _trace(q_shape, k_shape, v_shape=None, *, n=2, dtype=jnp.float32, **kw):
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"scale": jnp.float32(0.5)}, "scale must be"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"workspace": workspace_spec(2, nbytes=1000)}, "needs 1024"),
         (((1, 16, 4, 8), (1, 16, 2, 8)), {"workspace": workspace_spec(4)}, "created for 4"),
+        (((1, 16, 4, 8), (1, 16, 2, 8)), {"head_groups": 3}, "must divide the key/value heads (2)"),
+        (((1, 16, 4, 8), (1, 16, 2, 8)), {"head_groups": 0}, "head_groups must be a positive int"),
+        (((1, 16, 4, 8), (1, 16, 2, 8)), {"head_groups": True}, "head_groups must be a positive int"),
     ],
 )
 def test_bad_input_is_a_value_error(args, kw, message):

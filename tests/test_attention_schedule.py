@@ -27,9 +27,16 @@ def as_on_an_h200(monkeypatch):
     monkeypatch.setattr(attention_layer, "cudnn_max_head_dim", lambda: 256)
 
 
-def _lowered_targets(ws, remat: bool, causal: bool = True) -> list[str]:
+def _lowered_targets(ws, remat: bool, causal: bool = True, head_groups: int = 1) -> list[str]:
     layer = lambda q, k, v: cpg.dot_product_attention(
-        q, k, v, axis_name="cp", workspace=ws, implementation="cudnn", is_causal=causal
+        q,
+        k,
+        v,
+        axis_name="cp",
+        workspace=ws,
+        implementation="cudnn",
+        is_causal=causal,
+        head_groups=head_groups,
     )
     if remat:
         layer = jax.checkpoint(layer)
@@ -63,6 +70,29 @@ def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffi
     backward = [bwd] * remote_calls + [give_back, bwd, done]
     recomputed = [fwd] * remote_calls if remat else []
     assert _lowered_targets(ws, remat, causal) == forward + recomputed + backward
+
+
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_groups_pipeline_each_transfer_beside_the_previous_groups_work(protocol, suffix, remat, causal):
+    """head_groups=2: group 0's K/V travel beside the local part, group 1's beside group 0's remote
+    part; group 0's dK/dV return beside group 1's remote backward, group 1's beside the local
+    backward; each transfer starts after the previous one's done."""
+    ws = workspace_spec(4, protocol=protocol, overlap=True)
+    fwd, bwd = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+    gather, give_back, done = (
+        f"jax_cpgrad_all_gather{suffix}_start",
+        f"jax_cpgrad_grad_return{suffix}_start",
+        "jax_cpgrad_done",
+    )
+    remote = 2 if causal else 1  # kernel calls of one group's remote part
+    forward = [gather, fwd, done, gather] + [fwd] * remote + [done] + [fwd] * remote
+    backward = [bwd] * remote + [give_back] + [bwd] * remote + [done, give_back, bwd, done]
+    # Under jax.checkpoint the last group's remote part is recomputed; the first group's results
+    # are kept with the transfer they ran beside.
+    recomputed = [fwd] * remote if remat else []
+    assert _lowered_targets(ws, remat, causal, head_groups=2) == forward + recomputed + backward
 
 
 def test_without_overlap_the_layer_makes_plain_calls():

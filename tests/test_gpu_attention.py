@@ -46,13 +46,13 @@ def _check(outputs: list[str], scenarios: list[str]):
             assert res["ok"], f"{scenario}, rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
 
 
-def _one_process(scenarios, protocol: str):
+def _one_process(scenarios, protocol: str, deterministic: bool = True):
     env = dict(
         os.environ,
         CUDA_VISIBLE_DEVICES="0",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
         JAX_CPGRAD_TEST_PROTOCOL=protocol,
-        **DETERMINISTIC,
+        **(DETERMINISTIC if deterministic else {}),
     )
     proc = subprocess.run(
         [sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True, timeout=600, env=env
@@ -64,6 +64,14 @@ def test_layer_n1_device_protocol(gpu):
     _one_process(["values", "schedule", "vmapped"], "device")
 
 
+def test_layer_head_groups_n1_device_protocol(gpu):
+    """head_groups=2 at N = 1, without the deterministic flag: with it, XLA of jax 0.11.2 fails to
+    run this program ("IndexError: absl::container_internal::raw_hash_map<>::at", seen with and
+    without command buffers and without the ordering barrier between transfers), so the grouped
+    results are compared with one group's within a tolerance (cuDNN's dQ atomics)."""
+    _one_process(["head_groups"], "device", deterministic=False)
+
+
 def test_layer_schedule_fails_without_the_dones_wait(gpu):
     """Negative control: with the dones' waits removed and the owner slowed, results go wrong."""
     _one_process(["schedule_unjoined"], "device")
@@ -71,7 +79,7 @@ def test_layer_schedule_fails_without_the_dones_wait(gpu):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_ranks_sharing_one_gpu(gpu, n):
-    scenarios = ["values", "schedule", "vmapped"]
+    scenarios = ["values", "schedule", "vmapped", "head_groups"]
     # With --xla_gpu_deterministic_ops=true, XLA (jax 0.11.2) fails to run the layer's step for
     # processes sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
     # execute_sharded), so here two runs are compared within a tolerance (cuDNN's dQ atomics);

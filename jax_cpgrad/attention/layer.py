@@ -123,9 +123,14 @@ def _warn_public_path() -> None:
         )
 
 
-def _prepare(query, key, value, scale, implementation) -> tuple[float, str]:
+def _prepare(query, key, value, scale, implementation, head_groups) -> tuple[float, str]:
     """Every check of the arrays and options; (the scale, the implementation to run)."""
     _check_shapes(query, key, value)
+    kv_heads = key.shape[2]
+    if not isinstance(head_groups, (int, np.integer)) or isinstance(head_groups, bool) or head_groups < 1:
+        raise ValueError(f"{_NAME}: head_groups must be a positive int, got {head_groups!r}")
+    if kv_heads % head_groups:
+        raise ValueError(f"{_NAME}: head_groups ({head_groups}) must divide the key/value heads ({kv_heads})")
     head_dim = query.shape[-1]
     if scale is None:
         scale = head_dim**-0.5
@@ -159,6 +164,7 @@ def dot_product_attention(
     scale: float | None = None,
     is_causal: bool = True,
     implementation: str | None = None,
+    head_groups: int = 1,
 ):
     """Context-parallel scaled dot-product attention, exact, for one rank inside ``jax.shard_map``.
 
@@ -189,15 +195,21 @@ def dot_product_attention(
         run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head dim it takes)
         and XLA elsewhere; ``jax.nn.dot_product_attention``'s None means XLA. The softmax and
         the merge of the parts run in float32 in both.
+      head_groups: pipeline the transfer over this many groups of key/value heads (it must
+        divide K): group g+1's K/V travel while group g's remote part computes, and group g's
+        dK/dV return while group g+1's backward runs, so that only a G-th of the transfer waits
+        on the local part. For transfers longer than the local part (many key/value heads,
+        small chunks: ``benchmarks/sweeps/attention_overlap_window.py``); it splits every remote
+        kernel call G ways. 1 (the default): no pipeline. Ignored at N = 1 (no transfer).
 
     Raises:
       ValueError: before anything runs, for mismatched shapes or dtypes, query heads that are not
         a multiple of the key heads, an odd local length, a scale that is not a static number,
         an axis that is not bound (called outside ``shard_map``), a workspace that is closed, of
-        another axis or too small, or ``implementation="cudnn"`` where cuDNN cannot run these
-        inputs.
+        another axis or too small, ``implementation="cudnn"`` where cuDNN cannot run these
+        inputs, or ``head_groups`` that does not divide the key/value heads.
     """
-    scale, impl = _prepare(query, key, value, scale, implementation)
+    scale, impl = _prepare(query, key, value, scale, implementation, head_groups)
     n = api._axis_size(axis_name, "dot_product_attention")
     spec = api._spec_of(workspace, "dot_product_attention")
     _check_workspace(spec, axis_name, n, key)
@@ -208,7 +220,9 @@ def dot_product_attention(
             scale=scale, implementation=("cudnn" if jax.local_devices()[0].platform == "gpu" else "xla"),
         )  # fmt: skip
     plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
-    cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec))
+    cfg = split_attention.Config(
+        plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec), head_groups=int(head_groups)
+    )
     return split_attention.attention(cfg, query, key, value, rank)
 
 
@@ -222,11 +236,12 @@ def rank_without_transfer(
     is_causal: bool = True,
     scale: float | None = None,
     implementation=None,
+    head_groups: int = 1,
 ):
     """The layer's computation for rank ``rank`` of ``n``, alone: real shapes, a local copy in place
     of every transfer (the gathered keys are not the other ranks'). To measure a rank's
     attention work on one device (benchmarks/attention.py); not for training."""
-    scale, impl = _prepare(query, key, value, scale, implementation)
+    scale, impl = _prepare(query, key, value, scale, implementation, head_groups)
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"rank_without_transfer: n must be an int >= 1, got {n!r}")
     if isinstance(rank, int) and not 0 <= rank < n:
@@ -234,5 +249,7 @@ def rank_without_transfer(
     if impl == "public":
         raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
     plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
-    cfg = split_attention.Config(plan=plan, scale=scale, impl=impl, transfer=NoTransfer(n))
+    cfg = split_attention.Config(
+        plan=plan, scale=scale, impl=impl, transfer=NoTransfer(n), head_groups=int(head_groups)
+    )
     return split_attention.attention(cfg, query, key, value, jnp.asarray(rank, jnp.int32))

@@ -6,6 +6,13 @@ compute the remote part against the gathered keys; merge. Backward: compute the 
 backward first, which yields this rank's dK/dV for the whole sequence; start returning them to
 their owners; compute the local part's backward; finish the return and add the local dK/dV.
 
+With G head groups (``Config.head_groups``) the transfer is pipelined: group 0's K/V travel
+beside the local part (all heads), group g+1's beside group g's remote part; in the backward,
+group g's dK/dV return beside group g+1's remote backward, the last group's beside the local
+backward. Each transfer starts after the previous one is done (a workspace runs one call at a
+time), and only the first group's gather and the last group's return wait on the short local
+part.
+
 The merge has its own VJP. With O = sum_p w_p O_p over the parts p, w_p = exp(L_p - L) and
 L = logsumexp_p L_p, part p's scores S_p take the merged probabilities P = exp(S_p - L), so the
 exact score gradient is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged* O and L: what a
@@ -34,6 +41,7 @@ class Config:
     scale: float
     impl: str  # kernels.KERNELS key
     transfer: Any  # transfer.OnMeshAxis or transfer.NoTransfer (hashable)
+    head_groups: int = 1  # the transfer pipelined over this many groups of key/value heads
 
 
 def merge(*parts):
@@ -69,16 +77,58 @@ def _remote_kernel(cfg: Config, kernel, *arrays):
     return kernel(cfg.impl, *arrays[:-1], causal=False, scale=cfg.scale, kv_len=arrays[-1])
 
 
+def _remote_forward(cfg: Config, q, k_glob, v_glob, rank):
+    """The remote part's (out, lse) pairs for these heads."""
+    kernel = functools.partial(_remote_kernel, cfg, kernels.forward)
+    return cfg.plan.remote_forward(kernel, q, k_glob, v_glob, rank)
+
+
+def _remote_backward(cfg: Config, q, k_glob, v_glob, out, lse, d_out, rank):
+    """The remote part's (dq float32, dk, dv over the gathered length) for these heads."""
+    kernel = functools.partial(_remote_kernel, cfg, kernels.backward)
+    return cfg.plan.remote_backward(kernel, q, k_glob, v_glob, out, lse, d_out, rank)
+
+
 def _forward(cfg: Config, q, k, v, rank):
     """(out, lse, residuals)."""
     plan = cfg.plan
     if not plan.has_remote:
         out, lse = _local_forward(cfg, q, k, v)
-        return out, lse, (q, k, v, k, v, out, lse, rank)
-    (k_glob, v_glob), local = cfg.transfer.gather((k, v), functools.partial(_local_forward, cfg), q, k, v)
-    remote_kernel = functools.partial(_remote_kernel, cfg, kernels.forward)
-    out, lse = merge(local, *plan.remote_forward(remote_kernel, q, k_glob, v_glob, rank))
-    return out, lse, (q, k, v, k_glob, v_glob, out, lse, rank)
+        return out, lse, (q, k, v, ((k, v),), out, lse, rank)
+    groups = cfg.head_groups
+    qs, ks, vs = (_heads(x, groups) for x in (q, k, v))
+    remote = functools.partial(_remote_forward, cfg)
+    gathered, local = cfg.transfer.gather((ks[0], vs[0]), functools.partial(_local_forward, cfg), q, k, v)
+    kv_glob, remote_parts = [gathered], []
+    for g in range(1, groups):
+        next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
+        gathered, parts = cfg.transfer.gather(next_kv, remote, qs[g - 1], *kv_glob[-1], rank)
+        kv_glob.append(gathered)
+        remote_parts.append(parts)
+    remote_parts.append(remote(qs[-1], *kv_glob[-1], rank))
+    # part p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
+    joined = [
+        (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
+        for part in zip(*remote_parts, strict=True)
+    ]
+    out, lse = merge(local, *joined)
+    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank)
+
+
+def _heads(x, groups: int, axis: int = 2):
+    """``x`` split into ``groups`` equal groups of heads (a list, ``[x]`` for one)."""
+    return jnp.split(x, groups, axis=axis) if groups > 1 else [x]
+
+
+def _join(xs, axis: int):
+    return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
+
+
+def _after(previous, xs):
+    """``xs``, available only once ``previous`` is: the next transfer starts after the previous
+    one is done (one workspace runs one call at a time; XLA would otherwise start it as soon as
+    its inputs exist)."""
+    return jax.lax.optimization_barrier((previous, xs))[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -93,20 +143,30 @@ def _attention_fwd(cfg: Config, q, k, v, rank):
 
 
 def _attention_bwd(cfg: Config, residuals, d_out):
-    q, k, v, k_glob, v_glob, out, lse, rank = residuals
+    q, k, v, kv_glob, out, lse, rank = residuals
     plan = cfg.plan
     d_out = d_out.astype(q.dtype)
     local_backward = functools.partial(_local_backward, cfg)
     if not plan.has_remote:
         return (*local_backward(q, k, v, out, lse, d_out), None)
-    dq_r, dk_r, dv_r = plan.remote_backward(
-        functools.partial(_remote_kernel, cfg, kernels.backward), q, k_glob, v_glob, out, lse, d_out, rank
-    )
-    (dk_back, dv_back), (dq_l, dk_l, dv_l) = cfg.transfer.give_back(
-        (dk_r, dv_r), local_backward, q, k, v, out, lse, d_out
-    )
+    groups = cfg.head_groups
+    qs, outs, d_outs = (_heads(x, groups) for x in (q, out, d_out))
+    lses = _heads(lse, groups, axis=1)
+    remote = functools.partial(_remote_backward, cfg)
+    dq_r, dk_r, dv_r = remote(qs[0], *kv_glob[0], outs[0], lses[0], d_outs[0], rank)
+    dqs, returned, sending = [dq_r], [], (dk_r, dv_r)
+    for g in range(1, groups):
+        back, (dq_r, dk_r, dv_r) = cfg.transfer.give_back(
+            sending, remote, qs[g], *kv_glob[g], outs[g], lses[g], d_outs[g], rank
+        )
+        dqs.append(dq_r)
+        returned.append(back)
+        sending = _after(back, (dk_r, dv_r))
+    back, (dq_l, dk_l, dv_l) = cfg.transfer.give_back(sending, local_backward, q, k, v, out, lse, d_out)
+    returned.append(back)
+    dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
     add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)
-    return add(dq_r, dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None
+    return add(_join(dqs, axis=2), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
