@@ -9,11 +9,11 @@ return at N = 2 in 2995 us, README). Per rank of N: the gather receives and the 
 
 Pipelining by G head groups would expose about a G-th of the transfer instead (the first group's,
 less the window; each later group's hides behind the previous group's remote part, which is
-longer) but splits every kernel call G ways (and slices the heads: copies a real pipeline would
-make too, unless its layout kept head groups contiguous). This times that cost too: the rank's whole attention
-(``rank_without_transfer``) on all heads, and as G calls on a G-th of the heads each, in one
-program. Exposed now = max(0, transfer - window), per pass; with G groups = max(0, transfer/G -
-window) + the split's extra compute.
+longer) but splits every remote kernel call G ways. This times that cost too: the rank's whole
+attention (``rank_without_transfer``) with ``head_groups`` 1 and G (the layer's pipeline, the
+transfers replaced by local copies). Exposed now = max(0, transfer - window), per pass; with G
+groups = max(0, transfer/G - window) + the pipeline's extra compute. (The transfer's share of
+the SMs while it overlaps, and a measured multi-GPU transfer, are not in this projection.)
 
     python benchmarks/sweeps/attention_overlap_window.py   # one H200: a few minutes
 """
@@ -53,24 +53,11 @@ def local_part_seconds(q, k, v, opts) -> tuple[float, float]:
 
 
 def in_head_groups(groups: int, n: int):
-    """fwd+bwd of the rank's attention as ``groups`` calls on a slice of the heads each."""
-
-    def attend(q, k, v, rank):
-        hq, hk = q.shape[2] // groups, k.shape[2] // groups
-        outs = [
-            rank_without_transfer(
-                q[:, :, g * hq : (g + 1) * hq],
-                k[:, :, g * hk : (g + 1) * hk],
-                v[:, :, g * hk : (g + 1) * hk],
-                rank,
-                n,
-                implementation=IMPL,
-            )  # fmt: skip
-            for g in range(groups)
-        ]
-        return jnp.concatenate(outs, axis=2)
-
-    return fwd_bwd(attend)
+    """fwd+bwd of the rank's attention with the transfer pipelined over ``groups`` head groups (the
+    layer's ``head_groups``: every remote kernel call split that many ways)."""
+    return fwd_bwd(
+        lambda q, k, v, rank: rank_without_transfer(q, k, v, rank, n, implementation=IMPL, head_groups=groups)
+    )
 
 
 def measure(seq: int, kv_heads: int, n: int, opts) -> dict:
