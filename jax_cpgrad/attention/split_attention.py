@@ -105,7 +105,8 @@ def _forward(cfg: Config, q, k, v, rank):
         gathered, parts = cfg.transfer.gather(next_kv, remote, qs[g - 1], *kv_glob[-1], rank)
         kv_glob.append(gathered)
         remote_parts.append(parts)
-    remote_parts.append(remote(qs[-1], *kv_glob[-1], rank))
+    k_glob, v_glob = kv_glob[-1]
+    remote_parts.append(remote(qs[-1], k_glob, v_glob, rank))
     # part p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
     joined = [
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
@@ -153,12 +154,16 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     qs, outs, d_outs = (_heads(x, groups) for x in (q, out, d_out))
     lses = _heads(lse, groups, axis=1)
     remote = functools.partial(_remote_backward, cfg)
-    dq_r, dk_r, dv_r = remote(qs[0], *kv_glob[0], outs[0], lses[0], d_outs[0], rank)
+
+    def group(g: int):
+        """The arguments of group g's remote backward."""
+        k_glob, v_glob = kv_glob[g]
+        return qs[g], k_glob, v_glob, outs[g], lses[g], d_outs[g], rank
+
+    dq_r, dk_r, dv_r = remote(*group(0))
     dqs, returned, sending = [dq_r], [], (dk_r, dv_r)
     for g in range(1, groups):
-        back, (dq_r, dk_r, dv_r) = cfg.transfer.give_back(
-            sending, remote, qs[g], *kv_glob[g], outs[g], lses[g], d_outs[g], rank
-        )
+        back, (dq_r, dk_r, dv_r) = cfg.transfer.give_back(sending, remote, *group(g))
         dqs.append(dq_r)
         returned.append(back)
         sending = _after(back, (dk_r, dv_r))
