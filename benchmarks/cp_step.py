@@ -89,6 +89,7 @@ class Config:
     batch: int = 1
     dtype: str = "bfloat16"  # activations, K/V and their gradients; parameters stay float32
     implementation: str = "xla"  # the layer's kernels: cudnn | xla
+    head_groups: int = 1  # the layer's transfer pipelined over this many groups of K/V heads
 
     def local_kv(self, n: int) -> jax.ShapeDtypeStruct:
         """One layer's local K (or V) on a rank."""
@@ -100,9 +101,10 @@ class Config:
 
     def label(self) -> str:
         kv = "MHA" if self.kv_heads == self.heads else f"GQA{self.kv_heads}"
+        groups = f" G={self.head_groups}" if self.head_groups > 1 else ""
         return (
             f"S={human_tokens(self.seq)} h={self.hidden} {self.heads}x{self.head_dim} {kv} "
-            f"{self.implementation}"
+            f"{self.implementation}{groups}"
         )
 
 
@@ -214,16 +216,20 @@ def reference_loss_and_grads(params, x, probes, cfg: Config):
     return jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(params, probes)
 
 
-def make_attention(transport: str, n: int, workspace, implementation: str):
+def make_attention(transport: str, n: int, workspace, implementation: str, head_groups: int = 1):
     """attend(q, k, v) of one rank inside the step's shard_map: the layer on the transport, or
     (`none`) the same attention without communication."""
     if transport == "none":
         return lambda q, k, v: rank_without_transfer(
-            q, k, v, jax.lax.axis_index(AXIS), n, implementation=implementation
+            q, k, v, jax.lax.axis_index(AXIS), n, implementation=implementation, head_groups=head_groups
         )
     ws = workspace if transport == "peer" else None
     return functools.partial(
-        cpg.dot_product_attention, axis_name=AXIS, workspace=ws, implementation=implementation
+        cpg.dot_product_attention,
+        axis_name=AXIS,
+        workspace=ws,
+        implementation=implementation,
+        head_groups=head_groups,
     )
 
 
@@ -238,7 +244,7 @@ def make_step(cfg: Config, mesh, transport: str, workspace=None):
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "peer" and workspace is None:
         raise ValueError("the peer transport needs a workspace")
-    attend = make_attention(transport, mesh.shape[AXIS], workspace, cfg.implementation)
+    attend = make_attention(transport, mesh.shape[AXIS], workspace, cfg.implementation, cfg.head_groups)
 
     def body(params, x, probes):
         def local_loss(p, pr):  # this rank's share of the global mean
@@ -428,6 +434,12 @@ def _parse(argv):
         choices=IMPLEMENTATIONS,
         help="the layer's attention kernels (default: cudnn on GPUs for bfloat16, xla otherwise)",
     )
+    p.add_argument(
+        "--head-groups",
+        type=int,
+        default=1,
+        help="the layer's transfer pipelined over this many groups of key/value heads (must divide them)",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -479,6 +491,10 @@ def configs(opts, on_gpu: bool) -> list[Config]:
                 kv = heads if str(kv_text).lower() == "mha" else int(kv_text)
                 if kv <= 0 or heads % kv:
                     raise SystemExit(f"--kv-heads {kv_text}: must divide the {heads} query heads")
+                if opts.head_groups < 1 or kv % opts.head_groups:
+                    raise SystemExit(
+                        f"--head-groups {opts.head_groups}: must divide the {kv} key/value heads"
+                    )
                 out.append(
                     Config(
                         layers=opts.layers,
@@ -491,6 +507,7 @@ def configs(opts, on_gpu: bool) -> list[Config]:
                         batch=opts.batch,
                         dtype=opts.dtype,
                         implementation=implementation,
+                        head_groups=opts.head_groups,
                     )
                 )
     return out

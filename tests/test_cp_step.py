@@ -95,9 +95,10 @@ def _max_rel(got, ref):
     return float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
 
 
-@pytest.mark.parametrize("n,kv_heads", [(4, 4), (4, 2), (2, 1)])
-def test_cp_step_matches_the_unsharded_float32_model(n, kv_heads):
-    cfg = _config(kv_heads=kv_heads, batch=2)
+@pytest.mark.parametrize("n,kv_heads,head_groups", [(4, 4, 1), (4, 2, 1), (2, 1, 1), (4, 4, 2)])
+def test_cp_step_matches_the_unsharded_float32_model(n, kv_heads, head_groups):
+    """head_groups 2: --head-groups, the layer's transfer pipelined over two groups of heads."""
+    cfg = _config(kv_heads=kv_heads, batch=2, head_groups=head_groups)
     (ref_loss, ref_g, ref_pg), (loss, grads, dkdv) = _cp_vs_reference(cfg, n)
     assert abs(loss - ref_loss) <= 3e-6 * abs(ref_loss), (loss, ref_loss)
     assert _max_rel(grads, ref_g) < 2e-5
