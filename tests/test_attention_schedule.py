@@ -5,7 +5,8 @@ the backward pass the remote part's backward yields dK/dV, their return starts, 
 backward follows, then the return's done. (The lowered text shows the order the data
 dependencies allow; the GPU suite checks that XLA's compiled schedule keeps it.) Under
 jax.checkpoint the backward recomputes the remote part only: the transfers have side effects, so
-their results are kept, never gathered twice."""
+their results are kept, never gathered twice. With head_groups=2 the transfers form a pipeline:
+each group's gather beside the previous group's work, each return beside the next group's."""
 
 import re
 
@@ -53,22 +54,25 @@ def _lowered_targets(ws, remat: bool, causal: bool = True, head_groups: int = 1)
     return [m.group(1) for m in names if m]
 
 
+FWD, BWD = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+
+
+def _transfer_targets(suffix: str) -> tuple[str, str, str]:
+    """The overlapped gather's start, the return's start and the done of a protocol."""
+    return f"jax_cpgrad_all_gather{suffix}_start", f"jax_cpgrad_grad_return{suffix}_start", "jax_cpgrad_done"
+
+
 @pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffix, remat, causal):
     ws = workspace_spec(4, protocol=protocol, overlap=True)
-    fwd, bwd = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
-    gather, give_back, done = (
-        f"jax_cpgrad_all_gather{suffix}_start",
-        f"jax_cpgrad_grad_return{suffix}_start",
-        "jax_cpgrad_done",
-    )
+    gather, give_back, done = _transfer_targets(suffix)
     remote_calls = 2 if causal else 1  # causal: the paired and the far call (plan.py)
-    forward = [gather, fwd, done] + [fwd] * remote_calls  # start, local part, done, remote part
+    forward = [gather, FWD, done] + [FWD] * remote_calls  # start, local part, done, remote part
     # the remote part's backward, the return's start, the local part's backward, the done
-    backward = [bwd] * remote_calls + [give_back, bwd, done]
-    recomputed = [fwd] * remote_calls if remat else []
+    backward = [BWD] * remote_calls + [give_back, BWD, done]
+    recomputed = [FWD] * remote_calls if remat else []
     assert _lowered_targets(ws, remat, causal) == forward + recomputed + backward
 
 
@@ -80,18 +84,13 @@ def test_head_groups_pipeline_each_transfer_beside_the_previous_groups_work(prot
     part; group 0's dK/dV return beside group 1's remote backward, group 1's beside the local
     backward; each transfer starts after the previous one's done."""
     ws = workspace_spec(4, protocol=protocol, overlap=True)
-    fwd, bwd = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
-    gather, give_back, done = (
-        f"jax_cpgrad_all_gather{suffix}_start",
-        f"jax_cpgrad_grad_return{suffix}_start",
-        "jax_cpgrad_done",
-    )
+    gather, give_back, done = _transfer_targets(suffix)
     remote = 2 if causal else 1  # kernel calls of one group's remote part
-    forward = [gather, fwd, done, gather] + [fwd] * remote + [done] + [fwd] * remote
-    backward = [bwd] * remote + [give_back] + [bwd] * remote + [done, give_back, bwd, done]
+    forward = [gather, FWD, done, gather] + [FWD] * remote + [done] + [FWD] * remote
+    backward = [BWD] * remote + [give_back] + [BWD] * remote + [done, give_back, BWD, done]
     # Under jax.checkpoint the last group's remote part is recomputed; the first group's results
     # are kept with the transfer they ran beside.
-    recomputed = [fwd] * remote if remat else []
+    recomputed = [FWD] * remote if remat else []
     assert _lowered_targets(ws, remat, causal, head_groups=2) == forward + recomputed + backward
 
 
