@@ -3,7 +3,7 @@
 - ``layer.py``: the public function, its checks and the choice of kernels;
 - ``plan.py``: which of a rank's queries meet which keys (a local and a remote part);
 - ``split_attention.py``: the two parts merged by log-sum-exp, the transfer beside the local
-  part, and the exact backward;
+  part (or pipelined over head groups), and the exact backward;
 - ``kernels.py``: one block of attention with its log-sum-exp (cuDNN or XLA);
 - ``transfer.py``: the K/V gather and the dK/dV return, with work beside them;
 - ``public_path.py``: the fallback through public jax API only.
