@@ -279,17 +279,21 @@ def test_outside_shard_map_is_a_value_error():
         cpg.dot_product_attention(q, k, k, axis_name="cp")
 
 
+@pytest.mark.parametrize("head_groups", [1, 2])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_under_vmap(causal):
+def test_under_vmap(causal, head_groups):
     """jax.vmap over a leading axis of q, k and v (e.g. micro-batches) inside shard_map: each slice
-    equals the layer run on that slice alone, values and gradients."""
+    equals the unsharded attention on that slice, values and gradients (with the transfer
+    pipelined over head groups too)."""
     n, seq, slices = 4, 64, 3
     stacked = [
         np.stack(xs) for xs in zip(*(ac.random_inputs(seq, seed=20 + i) for i in range(slices)), strict=True)
     ]
     mesh = cp_mesh(n)
     spec = jax.sharding.PartitionSpec(None, None, "cp")
-    layer_fn = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", is_causal=causal)
+    layer_fn = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", is_causal=causal, head_groups=head_groups
+    )
 
     def one(q, k, v, ct):
         out, vjp = jax.vjp(layer_fn, q, k, v)
