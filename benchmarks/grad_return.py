@@ -414,7 +414,6 @@ class Bench:
 
 
 def setup(opts) -> Bench:
-
     devices = jax.devices()
     n = opts.n or len(devices)
     mesh = Mesh(np.array(devices[:n]), (AXIS,))

@@ -1,5 +1,6 @@
 """What the GPU tests share: skipping (or, with JAX_CPGRAD_REQUIRE_GPU=1, failing) where there is
-no GPU or no CUDA build, and a worker's run of named scenarios, one ``RESULT {json}`` line each."""
+no GPU or no CUDA build, a worker's run of named scenarios, one ``RESULT {json}`` line each, and
+the tests' reading of those lines."""
 
 from __future__ import annotations
 
@@ -49,3 +50,26 @@ def run_scenarios(scenarios: dict, names: list[str], mesh) -> int:
         code |= 0 if outcome["ok"] else 1
     sys.stdout.flush()
     return code
+
+
+def results(outputs: list[str]) -> dict:
+    """{(scenario, rank): result} from the RESULT lines of each rank's output (rank = list index)."""
+    found = {}
+    for rank, output in enumerate(outputs):
+        for line in output.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT ") :])
+                found[(res["scenario"], rank)] = res
+    return found
+
+
+def assert_all_ok(outputs: list[str], scenarios: list[str], ranks: int | None = None) -> None:
+    """Every rank (the first ``ranks``, default all) printed an ok result for every scenario (the
+    failed checks and the output's tail in the message otherwise)."""
+    found = results(outputs)
+    for scenario in scenarios:
+        for rank, output in enumerate(outputs[:ranks]):
+            res = found.get((scenario, rank))
+            assert res is not None, f"rank {rank} printed no result for {scenario}:\n{output[-3000:]}"
+            failed = [name for name, held in res.get("checks", {}).items() if not held]
+            assert res["ok"], f"{scenario}, rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"

@@ -6,7 +6,6 @@ Skips, with the reason, where there is no GPU or no CUDA build. Set JAX_CPGRAD_R
 turn those skips into failures (the GPU machine does, so a suite that should run cannot hide).
 """
 
-import json
 import os
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 import intruder
 import jax_cpgrad
 import jax_cpgrad._native
-from gpu_support import need, need_gpu
+from gpu_support import assert_all_ok, need, need_gpu, results
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_worker.py")
@@ -25,17 +24,6 @@ GPUS = launch.visible_gpu_count()
 @pytest.fixture
 def gpu():
     need_gpu()
-
-
-def _results(out: list) -> dict:
-    """{(scenario, rank): result} from every rank's RESULT lines."""
-    found = {}
-    for rank_result in out:
-        for line in rank_result.output.splitlines():
-            if line.startswith("RESULT "):
-                res = json.loads(line[len("RESULT ") :])
-                found[(res["scenario"], rank_result.rank)] = res
-    return found
 
 
 def _run(n, scenarios, timeout_s=540, env=None, allow_failure=False, protocol="auto"):
@@ -50,18 +38,7 @@ def _run(n, scenarios, timeout_s=540, env=None, allow_failure=False, protocol="a
             )
             pytest.fail(f"{err}\n{tails}")
         out = err.results
-    return _results(out)
-
-
-def _assert_all_ok(found, n, scenarios):
-    for scenario in scenarios:
-        for rank in range(n):
-            res = found.get((scenario, rank))
-            assert res is not None, f"rank {rank} printed no result for {scenario}"
-            failed = [name for name, held in res.get("checks", {}).items() if not held]
-            assert res["ok"], (
-                f"{scenario} failed on rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
-            )
+    return [r.output for r in out]
 
 
 def _need_own_gpus(n, protocol):
@@ -83,7 +60,7 @@ def test_peer_transport_multiprocess(gpu, n, protocol):
     _need_own_gpus(n, protocol)
     need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = CORE + (["graphs"] if protocol == "device" else [])
-    _assert_all_ok(_run(n, scenarios, protocol=protocol), n, scenarios)
+    assert_all_ok(_run(n, scenarios, protocol=protocol), scenarios)
 
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])
@@ -99,8 +76,9 @@ def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
     # The device protocol's small calls travel as LL words: their own race test and control.
     small = ["race_small", "race_small_unprotected"] if protocol == "device" else []
     scenarios = ["race_slow_owner", "race_unprotected", *small]
-    found = _run(2, scenarios, protocol=protocol)
-    _assert_all_ok(found, 2, scenarios)
+    outs = _run(2, scenarios, protocol=protocol)
+    assert_all_ok(outs, scenarios)
+    found = results(outs)
     assert "slow_owner_got_wrong_calls_without_protection" in found[("race_unprotected", 0)]["checks"]
     if small:
         assert "slow_owner_failed_without_protection" in found[("race_small_unprotected", 0)]["checks"]
@@ -111,9 +89,10 @@ def test_device_protocol_is_recorded_into_cuda_graphs(gpu, tmp_path):
     right with data changing every step."""
     _need_own_gpus(2, "device")
     env = {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*cpgrad_graph_probe.*"}
-    found = _run(2, ["graphs"], env=env, protocol="device")
-    _assert_all_ok(found, 2, ["graphs"])
-    assert "xla_captured_the_calls" in found[("graphs", 0)]["checks"], found[("graphs", 0)]
+    outs = _run(2, ["graphs"], env=env, protocol="device")
+    assert_all_ok(outs, ["graphs"])
+    graphs = results(outs)[("graphs", 0)]
+    assert "xla_captured_the_calls" in graphs["checks"], graphs
 
 
 @pytest.mark.parametrize("n,protocol", [(2, "device"), (2, "memop"), (4, "memop")])
@@ -121,33 +100,33 @@ def test_missing_peer_times_out_naming_it(gpu, n, protocol):
     """The last rank stalls; the others fail within the timeout, naming it. (Once they exit, the
     JAX coordination service takes the straggler down too: only the waiters report.)"""
     _need_own_gpus(n, protocol)
-    found = _run(n, ["missing_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
-    _assert_all_ok(found, n - 1, ["missing_peer"])
+    outs = _run(n, ["missing_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
+    assert_all_ok(outs, ["missing_peer"], ranks=n - 1)
 
 
 def test_slow_peer_within_timeout_is_fine(gpu):
-    found = _run(2, ["slow_peer"], timeout_s=180)
-    _assert_all_ok(found, 2, ["slow_peer"])
+    outs = _run(2, ["slow_peer"], timeout_s=180)
+    assert_all_ok(outs, ["slow_peer"])
 
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])
 def test_dead_peer_process_times_out_naming_it(gpu, protocol):
     _need_own_gpus(2, protocol)
-    found = _run(2, ["dead_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
-    _assert_all_ok(found, 2, ["dead_peer"])
+    outs = _run(2, ["dead_peer"], timeout_s=180, allow_failure=True, protocol=protocol)
+    assert_all_ok(outs, ["dead_peer"])
 
 
 def test_soak_and_lifecycle(gpu):
     """100,000 checked calls on one workspace; 1,000 create/close cycles leak nothing."""
     scenarios = ["soak", "lifecycle"]
-    _assert_all_ok(_run(2, scenarios, timeout_s=900), 2, scenarios)
+    assert_all_ok(_run(2, scenarios, timeout_s=900), scenarios)
 
 
 def test_interpreter_exit_is_clean_with_open_or_closed_workspaces(gpu):
     """Every rank exits 0 through the normal interpreter exit, with no crash or leak report: with
     workspaces left open, and with a closed one still referenced by a live jitted function."""
     out = launch.launch([sys.executable, WORKER, "exit_closed,exit_open"], 2, timeout_s=120, echo=False)
-    _assert_all_ok(_results(out), 2, ["exit_closed", "exit_open"])
+    assert_all_ok([r.output for r in out], ["exit_closed", "exit_open"])
     for r in out:
         assert r.returncode == 0
         for bad in ("leaked", "Segmentation", "terminate called", "Fatal Python error"):
@@ -155,15 +134,15 @@ def test_interpreter_exit_is_clean_with_open_or_closed_workspaces(gpu):
 
 
 def test_workspace_arguments_that_differ_between_processes_are_reported(gpu):
-    _assert_all_ok(_run(2, ["mismatch"], timeout_s=120), 2, ["mismatch"])
+    assert_all_ok(_run(2, ["mismatch"], timeout_s=120), ["mismatch"])
 
 
 def test_allocation_failure_on_one_process_fails_every_process_at_once(gpu):
-    _assert_all_ok(_run(2, ["allocation_failure"], timeout_s=120), 2, ["allocation_failure"])
+    assert_all_ok(_run(2, ["allocation_failure"], timeout_s=120), ["allocation_failure"])
 
 
 def test_two_workspaces_on_two_axes_stay_independent(gpu):
-    _assert_all_ok(_run(4, ["independent"], timeout_s=300), 4, ["independent"])
+    assert_all_ok(_run(4, ["independent"], timeout_s=300), ["independent"])
 
 
 def _intruder_user() -> str:
@@ -181,16 +160,16 @@ def test_another_user_knowing_the_store_cannot_get_the_workspace_memory(gpu):
     its directory opened (its credentials check must refuse). It obtains no descriptor, the job
     goes on with every call right, and rank 0 warns naming the intruder's pid."""
     user = _intruder_user()
-    found = _run(2, ["intruder"], timeout_s=300, env={"JAX_CPGRAD_TEST_INTRUDER": user})
-    if skip := found.get(("intruder", 0), {}).get("skip"):
+    outs = _run(2, ["intruder"], timeout_s=300, env={"JAX_CPGRAD_TEST_INTRUDER": user})
+    if skip := results(outs).get(("intruder", 0), {}).get("skip"):
         pytest.skip(skip)
-    _assert_all_ok(found, 2, ["intruder"])
+    assert_all_ok(outs, ["intruder"])
 
 
 def test_bad_store_entries_fail_every_process_clearly(gpu):
     """A truncated, then a bogus entry of one process: every process raises at once, naming that
     process's entry; no crash, no hang, and the next workspace works."""
-    _assert_all_ok(_run(2, ["bad_store_entries"], timeout_s=300), 2, ["bad_store_entries"])
+    assert_all_ok(_run(2, ["bad_store_entries"], timeout_s=300), ["bad_store_entries"])
 
 
 def test_fabric_support_is_reported_and_a_fabric_request_fails_clearly(gpu):
@@ -208,15 +187,7 @@ def _run_in_one_process(scenarios, timeout_s, **env):
         timeout=timeout_s,
         env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env),
     )
-    found = {
-        json.loads(line[7:])["scenario"]: json.loads(line[7:])
-        for line in proc.stdout.splitlines()
-        if line.startswith("RESULT ")
-    }
-    for scenario in scenarios:
-        assert scenario in found, proc.stdout[-2000:] + proc.stderr[-3000:]
-        failed = [name for name, held in found[scenario].get("checks", {}).items() if not held]
-        assert found[scenario]["ok"], f"{failed or 'error'}: {json.dumps(found[scenario])[:3000]}"
+    assert_all_ok([proc.stdout + proc.stderr[-3000:]], scenarios)
 
 
 @pytest.mark.parametrize("overlap", ["0", "1"])
@@ -245,7 +216,7 @@ def test_overlapped_workspaces_run_every_call_as_a_pair_on_their_own_stream(gpu,
     _need_own_gpus(2, protocol)
     need(jax_cpgrad._native.HAS_TEST_HOOKS, "the wrap test needs a test build (JAX_CPGRAD_TEST_HOOKS=ON)")
     scenarios = ["overlap", *CORE]
-    _assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), 2, scenarios)
+    assert_all_ok(_run(2, scenarios, env={"JAX_CPGRAD_TEST_OVERLAP": "1"}, protocol=protocol), scenarios)
 
 
 def test_the_overlap_test_fails_without_the_dones_wait(gpu):

@@ -7,7 +7,6 @@ CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
 The workers run with XLA_FLAGS=--xla_gpu_deterministic_ops=true: cuDNN's attention backward
 otherwise sums dQ with atomics, in an order that changes from run to run."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 import jax_cpgrad
 import jax_cpgrad._native
-from gpu_support import need, need_gpu
+from gpu_support import assert_all_ok, need, need_gpu
 from jax_cpgrad import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention_worker.py")
@@ -31,21 +30,6 @@ def gpu():
     )
 
 
-def _check(outputs: list[str], scenarios: list[str]):
-    found = {}
-    for rank, output in enumerate(outputs):
-        for line in output.splitlines():
-            if line.startswith("RESULT "):
-                res = json.loads(line[7:])
-                found[(res["scenario"], rank)] = res
-    for scenario in scenarios:
-        for rank in range(len(outputs)):
-            res = found.get((scenario, rank))
-            assert res is not None, f"rank {rank} printed no result for {scenario}:\n{outputs[rank][-3000:]}"
-            failed = [name for name, held in res.get("checks", {}).items() if not held]
-            assert res["ok"], f"{scenario}, rank {rank}: {failed or 'error'}: {json.dumps(res)[:3000]}"
-
-
 def _one_process(scenarios, protocol: str, deterministic: bool = True):
     env = dict(
         os.environ,
@@ -57,7 +41,7 @@ def _one_process(scenarios, protocol: str, deterministic: bool = True):
     proc = subprocess.run(
         [sys.executable, WORKER, ",".join(scenarios)], capture_output=True, text=True, timeout=600, env=env
     )
-    _check([proc.stdout + proc.stderr[-3000:]], scenarios)
+    assert_all_ok([proc.stdout + proc.stderr[-3000:]], scenarios)
 
 
 def test_layer_n1_device_protocol(gpu):
@@ -91,4 +75,4 @@ def test_layer_ranks_sharing_one_gpu(gpu, n):
         )
     except launch.LaunchError as err:
         results = err.results
-    _check([r.output for r in sorted(results, key=lambda r: r.rank)], scenarios)
+    assert_all_ok([r.output for r in sorted(results, key=lambda r: r.rank)], scenarios)

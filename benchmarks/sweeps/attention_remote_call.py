@@ -27,15 +27,8 @@ def bench(f, *args):
 
 def call(fold_heads, static):
     def f(q, k, v, do, kv_len):
-        b, t, h, d = q.shape
-        hk = k.shape[2]
-        g = h // hk
         kl = None if static else kv_len
-        if fold_heads:
-            qf = q.reshape(b, t, hk, g, d).transpose(0, 3, 1, 2, 4).reshape(b, g * t, hk, d)
-            dof = do.reshape(b, t, hk, g, d).transpose(0, 3, 1, 2, 4).reshape(b, g * t, hk, d)
-        else:
-            qf, dof = q, do
+        qf, dof = (kernels._fold_groups(q, k), kernels._fold_groups(do, k)) if fold_heads else (q, do)
         o, lse = kernels._cudnn_forward(qf, k, v, causal=False, scale=0.1, kv_len=kl)
         dq, dk, dv = kernels._cudnn_backward(qf, k, v, o, lse, dof, causal=False, scale=0.1, kv_len=kl)
         return dq, dk, dv, o

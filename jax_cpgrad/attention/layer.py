@@ -141,6 +141,16 @@ def _prepare(query, key, value, scale, implementation, head_groups) -> tuple[flo
     return float(scale), _choose_implementation(implementation, query.dtype, head_dim)
 
 
+def _split_config(
+    n: int, is_causal, scale: float, impl: str, transfer, head_groups
+) -> split_attention.Config:
+    """The split computation's configuration for a rank of ``n``, moving K/V with ``transfer``."""
+    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
+    return split_attention.Config(
+        plan=plan, scale=scale, impl=impl, transfer=transfer, head_groups=int(head_groups)
+    )
+
+
 def _check_workspace(spec, axis_name: str, n: int, key) -> None:
     if spec is None:
         return
@@ -219,10 +229,7 @@ def dot_product_attention(
             query, key, value, axis_name=axis_name, spec=spec, rank=rank, n=n, causal=is_causal,
             scale=scale, implementation=("cudnn" if jax.local_devices()[0].platform == "gpu" else "xla"),
         )  # fmt: skip
-    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
-    cfg = split_attention.Config(
-        plan=plan, scale=scale, impl=impl, transfer=OnMeshAxis(axis_name, spec), head_groups=int(head_groups)
-    )
+    cfg = _split_config(n, is_causal, scale, impl, OnMeshAxis(axis_name, spec), head_groups)
     return split_attention.attention(cfg, query, key, value, rank)
 
 
@@ -248,8 +255,5 @@ def rank_without_transfer(
         raise ValueError(f"rank_without_transfer: rank must be in [0, {n}), got {rank}")
     if impl == "public":
         raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
-    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
-    cfg = split_attention.Config(
-        plan=plan, scale=scale, impl=impl, transfer=NoTransfer(n), head_groups=int(head_groups)
-    )
+    cfg = _split_config(n, is_causal, scale, impl, NoTransfer(n), head_groups)
     return split_attention.attention(cfg, query, key, value, jnp.asarray(rank, jnp.int32))
