@@ -46,7 +46,6 @@ def cp_layer(
 ):
     """The layer's output and gradients, as {name: {rank: local rows}} for the ranks this process
     holds (numpy float32; no collective gathers them: XLA's refuse ranks that share a GPU)."""
-    n = mesh.shape["cp"]
     layer = functools.partial(
         cpg.dot_product_attention,
         axis_name="cp",
@@ -65,13 +64,19 @@ def cp_layer(
 
     spec = P(None, "cp")
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    sharding = NamedSharding(mesh, spec)
-    laid = [np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in inputs]
-    placed = [
+    return dict(zip(NAMES, (local_rows(o) for o in step(*place(mesh, inputs, dtype))), strict=True))
+
+
+def place(mesh, arrays, dtype, seq_axis: int = 1) -> list:
+    """Natural-order arrays in CP layout, as ``dtype``, sharded over the mesh's "cp" axis on
+    ``seq_axis``."""
+    n = mesh.shape["cp"]
+    sharding = NamedSharding(mesh, P(*[None] * seq_axis, "cp"))
+    laid = [np.asarray(cpg.to_cp_layout(x, n, seq_axis=seq_axis)) for x in arrays]
+    return [
         jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], dtype)))
         for x in laid
     ]
-    return dict(zip(NAMES, (local_rows(o) for o in step(*placed)), strict=True))
 
 
 def local_rows(x) -> dict[int, np.ndarray]:

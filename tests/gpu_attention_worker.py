@@ -120,15 +120,7 @@ def _layer_step(ws, head_groups: int = 1):
 
 
 def _placed(mesh, inputs):
-    n = mesh.shape["cp"]
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
-    laid = [np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in inputs]
-    return [
-        jax.make_array_from_callback(
-            x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
-        )
-        for x in laid
-    ]
+    return ac.place(mesh, inputs, jnp.bfloat16)
 
 
 def _steps(mesh, ws, steps: int):
@@ -153,19 +145,24 @@ def schedule(mesh, n):
         got = _steps(mesh, ws, 10)
     with _workspace(mesh, overlap=False) as plain:
         want = _steps(mesh, plain, 10)
-    pairs = hlo_schedule.pairs(text)
+    checks, pairs = _pair_checks(text, "two", 2)
     same = [_same(g, w) for g, w in zip(got, want, strict=True)]
-    return _result(
-        {
-            "two_pairs_with_attention_between": len(pairs) == 2 and all(p.matmuls_between > 0 for p in pairs),
-            "every_start_has_its_done_and_no_early_reader": all(
-                p.done is not None and not p.early_readers for p in pairs
-            ),
-            "overlapped_steps_equal_the_plain_ones": all(same),
-        },
-        pairs=[dataclasses.asdict(p) for p in pairs],
-        steps_equal=same,
-    )
+    checks["overlapped_steps_equal_the_plain_ones"] = all(same)
+    return _result(checks, pairs=pairs, steps_equal=same)
+
+
+def _pair_checks(text: str, words: str, count: int) -> tuple[dict, list]:
+    """The compiled program's start/done pairs: ``count`` of them, each with attention between its
+    start and done, its done present and no early reader; (checks, the pairs as dicts)."""
+    pairs = hlo_schedule.pairs(text)
+    checks = {
+        f"{words}_pairs_with_attention_between": len(pairs) == count
+        and all(p.matmuls_between > 0 for p in pairs),
+        "every_start_has_its_done_and_no_early_reader": all(
+            p.done is not None and not p.early_readers for p in pairs
+        ),
+    }
+    return checks, [dataclasses.asdict(p) for p in pairs]
 
 
 def head_groups(mesh, n):
@@ -187,14 +184,8 @@ def head_groups(mesh, n):
             checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
             checks[f"{tag}_{SAME}_as_one_group"] = _same_results(grouped, whole)
         text = _layer_step(ws, head_groups=2).lower(*_placed(mesh, _inputs(n, seed=0))).compile().as_text()
-    pairs = hlo_schedule.pairs(text)
-    checks["four_pairs_with_attention_between"] = len(pairs) == 4 and all(
-        p.matmuls_between > 0 for p in pairs
-    )
-    checks["every_start_has_its_done_and_no_early_reader"] = all(
-        p.done is not None and not p.early_readers for p in pairs
-    )
-    return _result(checks, errors=errors, pairs=[dataclasses.asdict(p) for p in pairs])
+    pair_checks, pairs = _pair_checks(text, "four", 4)
+    return _result(checks | pair_checks, errors=errors, pairs=pairs)
 
 
 def schedule_unjoined(mesh, n):
@@ -252,18 +243,8 @@ def vmapped_layer(mesh, per_slice, *, causal: bool, workspace):
 
     spec = jax.sharding.PartitionSpec(None, None, "cp")
     step = jax.jit(jax.shard_map(jax.vmap(one), mesh=mesh, in_specs=spec, out_specs=spec))
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    stacked = [
-        np.stack([np.asarray(cpg.to_cp_layout(x, n, seq_axis=1)) for x in xs])
-        for xs in zip(*per_slice, strict=True)
-    ]
-    placed = [
-        jax.make_array_from_callback(
-            x.shape, sharding, lambda i, x=x: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
-        )
-        for x in stacked
-    ]
-    outs = step(*placed)
+    stacked = [np.stack(xs) for xs in zip(*per_slice, strict=True)]
+    outs = step(*ac.place(mesh, stacked, jnp.bfloat16, seq_axis=2))
     length = outs[0].shape[2] // n
     rows = lambda o, i: {
         (s.index[2].start or 0) // length: np.asarray(s.data[i], np.float32) for s in o.addressable_shards
