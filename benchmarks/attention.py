@@ -11,8 +11,18 @@ concatenated, which a real rank's transfer replaces): timed alone too, and print
 the JSON (t_stand_in_gather_ms), not subtracted.
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
-bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). Times: the mean of --iters calls in a
-row after warm-up, the best of --reps such runs.
+bf16, batch 1, 32 query heads of 128 (--heads, --head-dim).
+
+Times are read the same way for both sides: every program of one S and KV count (the unsharded
+call, each rank's, the stand-in) is compiled and run once, the unsharded call then keeps the GPU
+busy for --warm-s, and --rounds rounds follow in which each attention program in turn runs back to
+back for --reading-s, each round's order rotated by one (the stand-in copies are read after them);
+a program's time is the median over the rounds of its mean time per call. The GPU's state matters:
+under sustained load an H200 reaches its 700 W cap and lowers its clock (1980 to 1710-1770 MHz),
+by more for some programs than others, and a reading that follows a lighter program (or idle time)
+starts at full clock. By default the readings follow each other (the power-capped steady state of
+a training run); --idle-s T lets the GPU idle T seconds before each reading instead (full clock,
+for short readings).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -87,17 +98,14 @@ def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0, dt
 
 
 def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
-    pending = []  # (a row's measurements, its kernel tables), made rows once t_full is final
     full = inputs(seq, opts.heads, kv_heads, opts.head_dim)
     unsharded = fwd_bwd(
         lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation=opts.implementation
         )
     )
-    t_full = seconds(unsharded, full, opts.iters, opts.reps)
-    say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
-    kernels_full = kernel_table(unsharded, full, opts, say)
-    del full
+    programs: dict = {"unsharded": (unsharded, full)}  # key -> (jitted function, its arguments)
+    layouts = []  # (n, chunk, ranks measured)
     for n in ns:
         local = seq // n
         chunk = local // 2
@@ -111,32 +119,83 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         )
         # One compiled program for every rank: the rank is a runtime value.
         ranks = sorted({0, n // 2, n - 1})
-        per_rank = {r: seconds(step, (*data, jnp.int32(r)), opts.iters, opts.reps) for r in ranks}
-        stand_in = stand_in_seconds(n, data[1:3], opts) if n > 1 else 0.0
+        programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
+        if n > 1:
+            programs[(n, "stand-in")] = (stand_in_gather(n), data[1:3])
+        layouts.append((n, chunk, ranks))
+    times, readings = steady_times(programs, opts)
+    t_full = times["unsharded"]
+    say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
+    kernels_full = kernel_table(unsharded, full, opts, say)
+    rows = []
+    for n, chunk, ranks in layouts:
+        per_rank = {r: times[(n, r)] for r in ranks}
+        stand_in = times.get((n, "stand-in"), 0.0)
         say(
             f"  N={n}: ranks {', '.join(f'{r}: {t * 1e3:.3f} ms' for r, t in per_rank.items())}; of which "
             f"the stand-in gather (a copy the real transfer replaces) {stand_in * 1e3:.3f} ms"
         )
-        kernels = dict(kernels_rank0=kernel_table(step, (*data, jnp.int32(0)), opts, say))
-        row = dict(seq=seq, kv_heads=kv_heads, n=n, chunk=chunk, per_rank=per_rank, stand_in=stand_in)
-        pending.append((row, kernels))
-        del data
-    # The unsharded call again, after the ranks: its best reading is the reference (a single
-    # reading taken first, while the GPU warms up, has read up to 8% slow).
-    again = seconds(unsharded, inputs(seq, opts.heads, kv_heads, opts.head_dim), opts.iters, opts.reps)
-    t_full = min(t_full, again)
-    say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms (best of two readings)")
-    return [
-        _row(**args, t_full=t_full, opts=opts, say=say) | kernels | dict(kernels_unsharded=kernels_full)
-        for args, kernels in pending
-    ]
+        kernels = dict(kernels_rank0=kernel_table(*programs[(n, 0)], opts, say))
+        row = _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say)
+        mine = [key for key in programs if key == "unsharded" or key[0] == n]
+        row["readings_ms"] = {_label(key): [t * 1e3 for t in readings[key]] for key in mine}
+        rows.append(row | kernels | dict(kernels_unsharded=kernels_full))
+    return rows
 
 
-def stand_in_seconds(n: int, key_value, opts) -> float:
-    """The time of the K/V gather's stand-in in ``rank_without_transfer``: n local copies of K and V
+def _label(key) -> str:
+    return key if isinstance(key, str) else f"rank {key[1]}" if isinstance(key[1], int) else str(key[1])
+
+
+def stand_in_gather(n: int):
+    """The K/V gather's stand-in in ``rank_without_transfer``: n local copies of K and V
     concatenated, a copy that a real rank does not make (its transfer writes the gathered keys)."""
-    gather = jax.jit(lambda k, v: NoTransfer(n).gather((k, v), lambda: None)[0])
-    return seconds(gather, key_value, opts.iters, opts.reps)
+    return jax.jit(lambda k, v: NoTransfer(n).gather((k, v), lambda: None)[0])
+
+
+def steady_times(programs: dict, opts) -> tuple[dict, dict]:
+    """({key: seconds per call}, {key: [each round's reading]}) of ``programs`` ({key: (f, args)}),
+    read the same way: see the module docstring."""
+    for f, args in programs.values():
+        jax.block_until_ready(f(*args))  # compile and load
+    first, first_args = programs["unsharded"]
+    started = time.perf_counter()
+    while time.perf_counter() - started < opts.warm_s:
+        jax.block_until_ready(first(*first_args))
+    readings: dict = {key: [] for key in programs}
+    # The attention programs in rounds, each round's order rotated by one (the one read after a
+    # lighter program reads fast while the GPU's power settles); the stand-in copies after them.
+    heavy = [key for key in programs if key == "unsharded" or key[1] != "stand-in"]
+    light = [key for key in programs if key not in heavy]
+    for i in range(opts.rounds):
+        for key in heavy[i % len(heavy) :] + heavy[: i % len(heavy)]:
+            _read(programs, key, readings, opts)
+    for _ in range(opts.rounds):
+        for key in light:
+            _read(programs, key, readings, opts)
+    return {key: statistics.median(xs) for key, xs in readings.items()}, readings
+
+
+def _read(programs: dict, key, readings: dict, opts) -> None:
+    time.sleep(opts.idle_s)
+    readings[key].append(back_to_back(*programs[key], opts.reading_s))
+
+
+def back_to_back(f, args, min_seconds: float) -> float:
+    """The mean time per call of f(*args) called back to back for at least ``min_seconds`` (at
+    least one call), one call queued behind the running one so the GPU never waits for the host."""
+    started = time.perf_counter()
+    calls, running = 0, None
+    while True:
+        queued = f(*args)
+        calls += 1
+        if running is not None:
+            jax.block_until_ready(running)
+        running = queued
+        if time.perf_counter() - started >= min_seconds:
+            break
+    jax.block_until_ready(running)
+    return (time.perf_counter() - started) / calls
 
 
 def kernel_table(f, args, opts, say) -> list:
@@ -213,8 +272,10 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--min-chunk", type=int, default=512)
     p.add_argument("--kernels", type=int, default=0, help="list the K longest GPU kernels of each row")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="interleaved readings of every program")
+    p.add_argument("--reading-s", type=float, default=0.5, help="seconds of back-to-back calls per reading")
+    p.add_argument("--warm-s", type=float, default=2.0, help="the unsharded call's seconds first")
+    p.add_argument("--idle-s", type=float, default=0.0, help="the GPU's idle seconds before each reading")
     p.add_argument(
         "--implementation",
         choices=["cudnn", "xla"],
