@@ -74,6 +74,8 @@ def fwd_bwd(attend):
 
 
 def seconds(f, args, iters: int, reps: int) -> float:
+    """The best of ``reps`` bursts of ``iters`` calls, per call: the sweeps' quick reading, in
+    whatever power state the GPU is in (measure() reads in rounds instead)."""
     jax.block_until_ready(f(*args))  # compile, load, warm
     jax.block_until_ready(f(*args))
     best = float("inf")
@@ -123,7 +125,7 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         if n > 1:
             programs[(n, "stand-in")] = (stand_in_gather(n), data[1:3])
         layouts.append((n, chunk, ranks))
-    times, readings = steady_times(programs, opts)
+    times, readings = times_in_rounds(programs, opts)
     t_full = times["unsharded"]
     say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
     kernels_full = kernel_table(unsharded, full, opts, say)
@@ -144,7 +146,10 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
 
 
 def _label(key) -> str:
-    return key if isinstance(key, str) else f"rank {key[1]}" if isinstance(key[1], int) else str(key[1])
+    """A program's name in the JSON, from its key: "unsharded", (n, rank) or (n, "stand-in")."""
+    if key == "unsharded":
+        return key
+    return f"rank {key[1]}" if isinstance(key[1], int) else key[1]
 
 
 def stand_in_gather(n: int):
@@ -153,7 +158,7 @@ def stand_in_gather(n: int):
     return jax.jit(lambda k, v: NoTransfer(n).gather((k, v), lambda: None)[0])
 
 
-def steady_times(programs: dict, opts) -> tuple[dict, dict]:
+def times_in_rounds(programs: dict, opts) -> tuple[dict, dict]:
     """({key: seconds per call}, {key: [each round's reading]}) of ``programs`` ({key: (f, args)}),
     read the same way: see the module docstring."""
     for f, args in programs.values():
@@ -165,8 +170,8 @@ def steady_times(programs: dict, opts) -> tuple[dict, dict]:
     readings: dict = {key: [] for key in programs}
     # The attention programs in rounds, each round's order rotated by one (the one read after a
     # lighter program reads fast while the GPU's power settles); the stand-in copies after them.
-    heavy = [key for key in programs if key == "unsharded" or key[1] != "stand-in"]
-    light = [key for key in programs if key not in heavy]
+    light = [key for key in programs if _label(key) == "stand-in"]
+    heavy = [key for key in programs if key not in light]
     for i in range(opts.rounds):
         for key in heavy[i % len(heavy) :] + heavy[: i % len(heavy)]:
             _read(programs, key, readings, opts)
