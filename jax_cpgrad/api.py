@@ -15,7 +15,7 @@ from .peer_transport import all_gather_peer, grad_return_peer
 from .spec import WorkspaceSpec
 from .xla_transport import all_gather_xla, grad_return_xla
 
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _as_tuple(arrays, op: str):
@@ -28,7 +28,8 @@ def _as_tuple(arrays, op: str):
     return (arrays,), lambda out: out[0]
 
 
-def _axis_size(axis_name: str, op: str) -> int:
+def axis_size(axis_name: str, op: str) -> int:
+    """The size of the bound mesh axis ``axis_name``; ValueError (naming ``op``) outside shard_map."""
     try:
         return int(jax.lax.axis_size(axis_name))
     except (NameError, KeyError, ValueError) as err:
@@ -46,7 +47,7 @@ def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> in
     for i, x in enumerate(xs):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"jax_cpgrad.{op}: argument {i} is not an array: {type(x).__name__}")
-        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
             raise ValueError(
                 f"jax_cpgrad.{op}: argument {i} has dtype {x.dtype}; "
                 "float32, bfloat16 and float16 are supported"
@@ -71,7 +72,7 @@ def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
     return len(xs) * (per // n if global_ else per)
 
 
-def _spec_of(workspace, op: str) -> WorkspaceSpec | None:
+def spec_of(workspace, op: str) -> WorkspaceSpec | None:
     """The workspace's description (None: the XLA transport); ValueError for a closed one."""
     if workspace is None or isinstance(workspace, WorkspaceSpec):
         return workspace
@@ -84,9 +85,9 @@ def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
     """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, N,
     workspace spec or None)."""
     xs, rebuild = _as_tuple(arrays, op)
-    n = _axis_size(axis_name, op)
+    n = axis_size(axis_name, op)
     seq = _validate(xs, seq_axis, n, op, global_=global_)
-    spec = _spec_of(workspace, op)
+    spec = spec_of(workspace, op)
     if spec is not None:
         spec.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
     return xs, rebuild, seq, n, spec

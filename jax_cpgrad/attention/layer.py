@@ -13,7 +13,7 @@ from . import kernels, public_path, split_attention
 from .plan import RankPlan
 from .transfer import NoTransfer, OnMeshAxis
 
-_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in api._FLOAT_DTYPES)
+_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in api.FLOAT_DTYPES)
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 # At N = 1 the local layout is the whole sequence in natural order: no transfer is needed, and
 # the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
@@ -220,8 +220,8 @@ def dot_product_attention(
         inputs, or ``head_groups`` that does not divide the key/value heads.
     """
     scale, impl = _prepare(query, key, value, scale, implementation, head_groups)
-    n = api._axis_size(axis_name, "dot_product_attention")
-    spec = api._spec_of(workspace, "dot_product_attention")
+    n = api.axis_size(axis_name, "dot_product_attention")
+    spec = api.spec_of(workspace, "dot_product_attention")
     _check_workspace(spec, axis_name, n, key)
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
     if impl == "public":

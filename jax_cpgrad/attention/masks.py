@@ -1,0 +1,200 @@
+"""Attention masks as data, in global positions, and the per-row key intervals they reduce to.
+
+A query at position p sees a key at position k when all of these that are asked for hold:
+
+- causal: k <= p;
+- window ``(left, right)`` (``jax.nn.dot_product_attention``'s ``local_window_size``):
+  p - k <= left and k - p <= right (``None`` on a side: unbounded);
+- documents: the query's segment id equals the key's.
+
+The static part (``causal``, ``window``) is a hashable :class:`Mask`; positions and segment ids
+are arrays. Kernels never see the mask itself: with positions increasing along the rows and each
+segment id one contiguous run of the natural order (packed documents), the keys a query row sees
+are one interval of key indices ``[lo, hi)``, and the queries that see a key are one interval of
+query indices. :func:`row_intervals` and :func:`column_intervals` compute them;
+``jax_cpgrad.attention.tile_plan`` turns them into the tiles a kernel visits. :func:`visible` is
+the dense form, for references and tests.
+
+Segment ids are first renumbered by :func:`run_ids` (each contiguous run of equal ids its own id,
+non-decreasing along the natural order), so that "same id" means "same run": an id that appears
+in two separate runs of the sequence is two documents here (``jax.nn.dot_product_attention``
+would join them).
+
+Shapes: ``q_pos [T]`` and ``k_pos [L]`` int32, shared by every batch row; ``q_run [B, T]`` and
+``k_run [B, L]`` int32 or None. Results carry a leading batch dimension Bp: B with runs, 1
+without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+I32 = jnp.int32
+# Positions and window bounds are clipped here, so that p - left and p + right stay in int32.
+_FAR = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """The static part of a mask: causal, and a window ``(left, right)`` or None."""
+
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+
+    @property
+    def left(self) -> int | None:
+        return None if self.window is None else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        """The right bound in effect: 0 when causal (a causal query sees no later key)."""
+        right = None if self.window is None else self.window[1]
+        return 0 if self.causal else right
+
+
+def normalize_window(local_window_size, where: str = "local_window_size") -> tuple[int, int] | None:
+    """``jax.nn.dot_product_attention``'s ``local_window_size`` as ``(left, right)``: an int w is
+    ``(w, w)``; None stays None. Anything else is a ``ValueError`` naming ``where``."""
+    if local_window_size is None:
+        return None
+    is_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    if is_int(local_window_size):
+        sides = (local_window_size, local_window_size)
+    elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+        sides = tuple(local_window_size)
+    else:
+        raise ValueError(
+            f"{where} must be None, an int w (a window of w on each side) or a pair (left, right) "
+            f"of ints, got {local_window_size!r}"
+        )
+    if not all(is_int(s) and s >= 0 for s in sides):
+        raise ValueError(f"{where}: both sides must be ints >= 0, got {local_window_size!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def run_ids(segment_ids):
+    """int32 ``[B, S]``: 0 for the first run of equal ids in each row, +1 at every change, so each
+    contiguous run of the natural order is one id and ids never decrease along a row."""
+    ids = jnp.asarray(segment_ids)
+    changes = (ids[:, 1:] != ids[:, :-1]).astype(I32)
+    return jnp.concatenate([jnp.zeros_like(changes[:, :1]), jnp.cumsum(changes, axis=1)], axis=1)
+
+
+def visible(mask: Mask, q_pos, k_pos, q_seg=None, k_seg=None):
+    """bool ``[Bp, T, L]``: which keys each query sees (any segment ids: plain equality)."""
+    p, k = jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :]
+    seen = jnp.ones(p.shape[:1] + k.shape[1:], bool)
+    if mask.causal:
+        seen &= k <= p
+    if mask.left is not None:
+        seen &= p - k <= mask.left
+    if mask.right is not None:
+        seen &= k - p <= mask.right
+    seen = seen[None]
+    if q_seg is not None:
+        seen = seen & (jnp.asarray(q_seg)[:, :, None] == jnp.asarray(k_seg)[:, None, :])
+    return seen
+
+
+def _clip(x):
+    return jnp.clip(x, -_FAR, _FAR).astype(I32)
+
+
+def _search(sorted_values, targets, side: str):
+    """searchsorted along the last axis of both (``sorted_values [L]`` or ``[Bp, L]``)."""
+    if sorted_values.ndim == 1:
+        return jnp.searchsorted(sorted_values, targets, side=side).astype(I32)
+    return jax.vmap(lambda s, t: jnp.searchsorted(s, t, side=side))(sorted_values, targets).astype(I32)
+
+
+def _intervals(lo_pos, hi_pos, own_run, other_pos, other_run):
+    """Indices ``[lo, hi)`` of the ``other`` rows with lo_pos <= position <= hi_pos and the same
+    run as the row (``own_run [Bp, T]`` or None); an empty interval is ``lo == hi``."""
+    lo = _search(jnp.asarray(other_pos), _clip(lo_pos), "left")[None]
+    hi = _search(jnp.asarray(other_pos), _clip(hi_pos), "right")[None]
+    if own_run is not None:
+        lo = jnp.maximum(lo, _search(other_run, own_run, "left"))
+        hi = jnp.minimum(hi, _search(other_run, own_run, "right"))
+    return lo, jnp.maximum(hi, lo)
+
+
+def _checked_runs(q_run, k_run):
+    if (q_run is None) != (k_run is None):
+        raise ValueError("masks: give run ids for both the queries and the keys, or for neither")
+    if q_run is None:
+        return None, None
+    return jnp.asarray(q_run, I32), jnp.asarray(k_run, I32)
+
+
+def row_intervals(mask: Mask, q_pos, k_pos, q_run=None, k_run=None):
+    """int32 ``(lo, hi)``, each ``[Bp, T]``: query row t sees key indices ``[lo, hi)``.
+
+    ``k_pos`` must increase along the keys and ``k_run`` (from :func:`run_ids`) must not
+    decrease; then this equals :func:`visible` row by row."""
+    q_run, k_run = _checked_runs(q_run, k_run)
+    p = jnp.asarray(q_pos, I32)
+    lo_pos = p - min(mask.left, _FAR) if mask.left is not None else jnp.full_like(p, -_FAR)
+    hi_pos = jnp.full_like(p, _FAR)
+    if mask.causal:
+        hi_pos = p
+    if mask.right is not None:
+        hi_pos = jnp.minimum(hi_pos, p + min(mask.right, _FAR))
+    return _intervals(lo_pos, hi_pos, q_run, k_pos, k_run)
+
+
+def column_intervals(mask: Mask, q_pos, k_pos, q_run=None, k_run=None):
+    """int32 ``(lo, hi)``, each ``[Bp, L]``: key l is seen by query indices ``[lo, hi)``.
+
+    ``q_pos`` must increase along the queries and ``q_run`` must not decrease; then this equals
+    :func:`visible` column by column."""
+    q_run, k_run = _checked_runs(q_run, k_run)
+    k = jnp.asarray(k_pos, I32)
+    lo_pos = jnp.full_like(k, -_FAR)
+    if mask.causal:
+        lo_pos = k
+    if mask.right is not None:
+        lo_pos = jnp.maximum(lo_pos, k - min(mask.right, _FAR))
+    hi_pos = k + min(mask.left, _FAR) if mask.left is not None else jnp.full_like(k, _FAR)
+    return _intervals(lo_pos, hi_pos, k_run, q_pos, q_run)
+
+
+def interval_mask(lo, hi, length: int):
+    """bool ``[Bp, T, length]``: index j lies in row t's ``[lo, hi)``."""
+    j = jnp.arange(length, dtype=I32)
+    return (lo[..., None] <= j) & (j < hi[..., None])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """What a kernel call needs to know of its mask: for each query row the key indices it sees,
+    and for each key the query indices that see it (int32, each ``[lo, hi)``, leading dim Bp)."""
+
+    row_lo: jax.Array  # [Bp, T]
+    row_hi: jax.Array  # [Bp, T]
+    col_lo: jax.Array  # [Bp, L]
+    col_hi: jax.Array  # [Bp, L]
+
+    @property
+    def q_len(self) -> int:
+        return self.row_lo.shape[-1]
+
+    @property
+    def k_len(self) -> int:
+        return self.col_lo.shape[-1]
+
+    def dense(self):
+        """bool ``[Bp, T, L]``, the same relation as :func:`visible`."""
+        return interval_mask(self.row_lo, self.row_hi, self.k_len)
+
+
+def visibility(mask: Mask, q_pos, k_pos, q_run=None, k_run=None) -> Visibility:
+    """The :class:`Visibility` of queries at ``q_pos`` against keys at ``k_pos`` (both increasing;
+    runs from :func:`run_ids` or None)."""
+    return Visibility(
+        *row_intervals(mask, q_pos, k_pos, q_run, k_run), *column_intervals(mask, q_pos, k_pos, q_run, k_run)
+    )
