@@ -14,7 +14,7 @@ namespace jax_cpgrad {
 // The attributes every call carries (Python passes them as numpy int64 scalars).
 struct CallAttrs {
   int64_t workspace_id;       // which Workspace
-  int64_t axis_size;          // N, from the mesh: must equal the workspace's
+  int64_t axis_size;          // R, from the mesh: must equal the workspace's
   int64_t seq_axis_from_end;  // sequence axis counted from the back (vmap adds leading axes)
 };
 

@@ -29,7 +29,7 @@ struct CallPlan {
   int64_t slot_bytes = 0;  // stride between slots
   ElementType dtype = ElementType::kF32;
   // Test builds only (the race test's negative control): the owner waits this long before it
-  // reads each tile (device protocol) or each call's slots (stream-memop protocol). 0 otherwise.
+  // reads each tile (device protocol) or each call's slots (memop protocol). 0 otherwise.
   uint32_t test_finish_delay_ns = 0;
   CPG_HOST_DEVICE int64_t run_bytes() const { return run * element_bytes(dtype); }
   // One tensor in the local layout [outer, 2, run].
@@ -49,7 +49,7 @@ struct PeerTable {
   char* slots[kMaxRanks];
 };
 
-// The p-th peer (p = 0..N-2) a writer sends to. Rotated by writer, so that at any moment every
+// The p-th peer (p = 0..R-2) a writer sends to. Rotated by writer, so that at any moment every
 // writer pushes into a different owner: with the same order on every writer all of them pushed
 // into one owner at a time (incast), and 4 H200s reached 145-162 GB/s instead of 228-279.
 CPG_HOST_DEVICE inline int64_t rotated_owner(int64_t self, int64_t n, int64_t p) {

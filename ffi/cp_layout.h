@@ -1,11 +1,11 @@
 // The load-balanced context-parallel layout, in one place for the host, the kernels and Python.
 //
-// The global sequence of length S is cut into 2N chunks of S/(2N) tokens. CP rank r holds
-// chunks r and 2N-1-r, in that order (Megatron-LM's get_batch_on_this_cp_rank).
+// The global sequence of length S is cut into 2R chunks of S/(2R) tokens. CP rank r holds
+// chunks r and 2R-1-r, in that order (Megatron-LM's get_batch_on_this_cp_rank).
 //
 // Every tensor is viewed as [outer, sequence, inner] around its sequence axis. A "run" is one
 // chunk of one outer row: run = chunk_len * inner elements, contiguous in both the global
-// ([outer, 2N, run]) and the local ([outer, 2, run]) view, so every copy in this library is a
+// ([outer, 2R, run]) and the local ([outer, 2, run]) view, so every copy in this library is a
 // copy of whole runs.
 #pragma once
 
@@ -40,16 +40,16 @@ CPG_HOST_DEVICE constexpr int64_t half_of(int64_t chunk, int64_t n) { return chu
 struct Geometry {
   int64_t outer = 1;       // product of the dimensions before the sequence axis
   int64_t run = 0;         // elements of one chunk of one outer row: chunk_len * inner
-  int64_t chunk_len = 0;   // tokens per chunk, S / (2N)
+  int64_t chunk_len = 0;   // tokens per chunk, S / (2R)
   int64_t global_len = 0;  // S
-  int64_t local_len = 0;   // S / N
+  int64_t local_len = 0;   // S / R
 };
 
 // Which side of the collective a shape describes.
 enum class SeqExtent { kGlobal, kLocal };
 
 // Computes the geometry of a tensor of `rank` dimensions `dims` whose sequence axis is `seq_axis`
-// (already made non-negative) and holds the global (S) or the local (S/N) sequence. Returns an
+// (already made non-negative) and holds the global (S) or the local (S/R) sequence. Returns an
 // empty string on success, otherwise a message naming the problem.
 inline std::string compute_geometry(const int64_t* dims, int64_t rank, int64_t seq_axis, int64_t n,
                                     SeqExtent extent, Geometry* out) {

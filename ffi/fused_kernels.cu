@@ -107,7 +107,7 @@ __device__ void push_tiles(const FusedCall& c, uint32_t e, int64_t set, int64_t 
 
 // ---------------------------------------------------------------------------------------------
 // grad_return: owner o's payload from writer w is, row by row (row = tensor k, outer b, half h),
-// chunk chunk_of(o, h) of w's global input; the owner sums the N rows of each tile in order.
+// chunk chunk_of(o, h) of w's global input; the owner sums the R rows of each tile in order.
 
 template <typename Word>
 __device__ void push_owner_chunks(const FusedCall& c, uint32_t e, int64_t set) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_grad_return(FusedCall c) 
 
 // ---------------------------------------------------------------------------------------------
 // all_gather: writer w sends every peer its whole local input (the tensors one after another);
-// the owner places each writer's tile, as soon as it has arrived, at chunks (w, 2N-1-w).
+// the owner places each writer's tile, as soon as it has arrived, at chunks (w, 2R-1-w).
 
 template <typename Word>
 __device__ void push_local_copies(const FusedCall& c, uint32_t e, int64_t set) {

@@ -13,7 +13,7 @@
 //   host code counts calls.
 // - Payload: what writer w sends owner o is cut into `tiles` tiles of tile_bytes (the last one may
 //   be short). A pushing block copies tile t of owner o's share into o's slot w of set e % 2, in
-//   rotated owner order, tile-major, then publishes flag[t * N + w] = e on o (system-scope
+//   rotated owner order, tile-major, then publishes flag[t * R + w] = e on o (system-scope
 //   release after the tile's stores). A finishing block waits (acquire loads) for the flags of
 //   tile t and then sums (grad_return: every writer of the tile, ordered float32 sum) or places
 //   (all_gather: one writer's tile at a time) it, so finishing overlaps the transfer.
@@ -48,8 +48,8 @@ inline constexpr int kFusedThreads = 512;
 
 // Written by the GPU into mapped pinned host memory, read by the watchdog without any CUDA call.
 struct HostReport {
-  uint32_t reached;    // stream-memop protocol: epoch whose wait the stream arrived at
-  uint32_t passed;     // stream-memop protocol: epoch whose wait the stream passed
+  uint32_t reached;    // memop protocol: epoch whose wait the stream arrived at
+  uint32_t passed;     // memop protocol: epoch whose wait the stream passed
   uint32_t timed_out;  // device protocol: set when a kernel's wait expired (the call's
                        // epoch and missing writers are in Control)
 };
@@ -87,7 +87,7 @@ cudaError_t launch_fused_ll(OpKind op, const FusedCall& call, cudaStream_t strea
 bool ll_possible(const CallPlan& plan);
 cudaError_t warm_fused_ll_kernels();
 
-// Loads every fused kernel now, so that CUDA's lazy loading never blocks inside a handler.
+// Loads every device-protocol kernel now, so that CUDA's lazy loading never blocks inside a handler.
 cudaError_t warm_fused_kernels();
 // Loads the given kernels (what warm_fused_kernels does for each file's kernels).
 cudaError_t load_kernels(std::initializer_list<const void*> kernels);

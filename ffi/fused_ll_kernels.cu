@@ -56,7 +56,7 @@ __device__ __forceinline__ void store_unit(char* p, uint2 v) {
 // Where unit u of a payload of `row_bytes`-byte rows lies. Rows are numbered (k * outer + b) * 2
 // + h (tensor k, outer index b, half h) in both ops, and a row is a run, so `local` (its offset
 // in tensor k's local layout [outer, 2, run]) and `global_row0` (the offset of outer index b's
-// first chunk in the global layout [outer, 2N, run]) place it in either. LL payloads are at most
+// first chunk in the global layout [outer, 2R, run]) place it in either. LL payloads are at most
 // kLLMaxPayload, so 32-bit arithmetic is exact and cheap (64-bit division dominated the tile
 // kernels' small calls).
 struct UnitPlace {
@@ -122,7 +122,7 @@ struct Receiver {
 
 // ---------------------------------------------------------------------------------------------
 // grad_return: unit u for owner o is chunk chunk_of(o, h) of our global input; the owner sums the
-// N writers' units in writer order, in float32, and rounds once.
+// R writers' units in writer order, in float32, and rounds once.
 
 template <bool kAligned>
 __device__ void ll_push_owner_chunks(const FusedCall& c, uint32_t e, int64_t set) {

@@ -59,7 +59,7 @@ CallBuffers call_buffers(const TensorPtrs& t, int64_t count, bool empty) {
   return b;
 }
 
-// The stream-memop protocol: scatter, one batch of stream memory ops, accumulate or gather. The
+// The memop protocol: scatter, one batch of stream memory ops, accumulate or gather. The
 // epoch is the host's: the next one of this device.
 template <OpKind kOp>
 ffi::Error enqueue_stream_memops(const WorkspaceState& ws, Member& m, CallPlan plan,
@@ -107,7 +107,8 @@ ffi::Error enqueue_fused(const WorkspaceState& ws, const Member& m, const CallPl
   call.timeout_ns = static_cast<uint64_t>(cfg.timeout_s * 1e9);
   call.single_buffer = ws.single_buffer.load();
   cudaError_t err = launch_fused(kOp, call, stream);
-  return err == cudaSuccess ? ffi::Error::Success() : launch_error(err, "the fused kernel");
+  return err == cudaSuccess ? ffi::Error::Success()
+                            : launch_error(err, "the device protocol's kernel");
 }
 
 // How a call reaches the GPU: whole on XLA's stream, or (Workspace(overlap=True)) as the start of
@@ -237,7 +238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradInstantiate, jax_cpgrad::Instantiate,
 #define CPG_EXECUTE(op, protocol, phase)                                       \
   (jax_cpgrad::Execute<jax_cpgrad::OpKind::op, jax_cpgrad::Protocol::protocol, \
                        jax_cpgrad::Phase::phase>)
-// Stream-memop protocol: no command-buffer trait (its epochs are chosen on the host per call, and a
+// Memop protocol: no command-buffer trait (its epochs are chosen on the host per call, and a
 // captured graph would replay stale epochs whose waits already pass).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpgradGradReturn, CPG_EXECUTE(kGradReturn, kStreamMemops, kWhole),
                               CPG_BIND_EXECUTE);

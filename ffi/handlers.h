@@ -1,7 +1,7 @@
 // The XLA FFI handlers (registered from Python for platform CUDA). Each target is a bundle of an
 // instantiate stage, which binds the executable to its workspace once (FFI state), and an execute
 // stage. Two protocols, two targets per op:
-//   jax_cpgrad_<op>         stream-memop protocol: host-chosen epochs, so side-effecting and
+//   jax_cpgrad_<op>         memop protocol: host-chosen epochs, so side-effecting and
 //                           never recorded into a CUDA graph;
 //   jax_cpgrad_<op>_device  device protocol: one kernel, device-resident epochs, the same launch
 //                           every call, so command-buffer compatible (XLA records it into graphs).

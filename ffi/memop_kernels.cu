@@ -1,4 +1,4 @@
-// The stream-memop protocol's kernels: run copies (scatter, gather) and the ordered float32
+// The memop protocol's kernels: run copies (scatter, gather) and the ordered float32
 // accumulation, each its own launch; the host orders them around the publish and wait.
 #include <algorithm>
 #include <cstdint>
@@ -14,7 +14,7 @@ constexpr int kThreads = 256;
 constexpr int kCopyUnroll = 2;  // vectors in flight per thread in a copy (see copy_rows)
 // Vectors per thread per writer in the accumulation. With 4 (and packed loads, see sum_words)
 // benchmarks/kernels.py on one H200 went from 77-84% to 88-93% of a device copy at 64 MiB per
-// tensor; benchmarks/sweeps/kernel_variants.cu has 1 ahead only for N=2 from 128 MiB up, by 3-6
+// tensor; experiments/kernel_variants.cu has 1 ahead only for R=2 from 128 MiB up, by 3-6
 // points.
 constexpr int kSumUnroll = 4;
 
@@ -29,7 +29,7 @@ __device__ __forceinline__ bool call_failed(const char* own_header) {
 // destination, and `checked_header()` the header whose state poisons the copy (none for
 // the scatters: they run before the wait, so nothing can have failed yet).
 
-struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer x 2 halves
+struct OwnerChunksMap {  // grad_return scatter: rows = (R-1) peers x T x outer x 2 halves
   CallPlan plan;
   TensorPtrs t;
   PeerTable peers;
@@ -46,7 +46,7 @@ struct OwnerChunksMap {  // grad_return scatter: rows = (N-1) peers x T x outer 
   }
 };
 
-struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a whole local tensor
+struct LocalCopiesMap {  // all_gather scatter: rows = (R-1) peers x T, each a whole local tensor
   CallPlan plan;
   TensorPtrs t;
   PeerTable peers;
@@ -60,7 +60,7 @@ struct LocalCopiesMap {  // all_gather scatter: rows = (N-1) peers x T, each a w
   }
 };
 
-struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
+struct GatherMap {  // all_gather finish: rows = T x outer x 2R global chunks
   CallPlan plan;
   TensorPtrs t;
   const char* own_header;
@@ -85,7 +85,7 @@ struct GatherMap {  // all_gather finish: rows = T x outer x 2N global chunks
 // H200, from 64 MiB per tensor up, that took the scatter from 85-91% to 94-97% of a device copy,
 // while the gather (same kernel, another map) went from 87-90% to 86-88%. The accumulation keeps
 // a one-wave grid-stride loop: one block per tile gave it 65-88% there (the per-block setup,
-// unamortised over a 16 KiB tile, is the likely cost). benchmarks/sweeps/kernel_variants.cu has
+// unamortised over a 16 KiB tile, is the likely cost). experiments/kernel_variants.cu has
 // the sweep. The tile loop only comes round again when the tiles outnumber the largest grid.
 struct Tiling {
   int64_t rows, units_per_row, tiles_per_row;

@@ -1,11 +1,11 @@
 // The memory one CP rank shares with its peers: two allocations per device.
 //
-//   header: [Control][flags: uint32 flag[tile * N + writer], kMaxTiles * N of them]
-//           [LL slots: set 0: slot 0 .. slot N-1][set 1: ...], ll_slot_bytes(slot_bytes) each
-//   slots:  [set 0: slot 0 .. slot N-1][set 1: slot 0 .. slot N-1]
+//   header: [Control][flags: uint32 flag[tile * R + writer], kMaxTiles * R of them]
+//           [LL slots: set 0: slot 0 .. slot R-1][set 1: ...], ll_slot_bytes(slot_bytes) each
+//   slots:  [set 0: slot 0 .. slot R-1][set 1: slot 0 .. slot R-1]
 //
-// flag[t * N + w] is the last epoch writer w published for tile t of this rank's slots (the
-// stream-memop protocol uses tile 0 only). Slot w of a set holds what writer w sent this rank:
+// flag[t * R + w] is the last epoch writer w published for tile t of this rank's slots (the
+// memop protocol uses tile 0 only). Slot w of a set holds what writer w sent this rank:
 // every tensor of the call one after another, each in the local layout [outer, 2, run]. Calls
 // alternate between the two sets by epoch parity (double buffering): a writer's call e+2 reuses
 // set e%2 only after its call e+1 received every peer's contribution, and each peer sent those

@@ -1,4 +1,4 @@
-// The stream-memop protocol's synchronisation of one call, as stream memory operations on the
+// The memop protocol's synchronisation of one call, as stream memory operations on the
 // caller's stream: publish epoch e to every peer's flag (tile 0), note arrival, wait until every
 // peer's flag is >= e (cyclic), note passage. Plain pointers only, so the handler and the
 // benchmarks enqueue the same thing.
@@ -21,7 +21,7 @@ struct ProtocolSite {
   uint32_t* passed = nullptr;        // and of HostReport::passed
 };
 
-// Enqueues the 2(N-1)+2 operations in as few cuStreamBatchMemOp calls as the driver allows.
+// Enqueues the 2(R-1)+2 operations in as few cuStreamBatchMemOp calls as the driver allows.
 CUresult enqueue_publish_and_wait(const ProtocolSite& site, uint32_t epoch, cudaStream_t stream);
 
 }  // namespace jax_cpgrad

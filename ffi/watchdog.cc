@@ -34,7 +34,7 @@ uint32_t read_host_word(const uint32_t& word) {
   return *static_cast<volatile const uint32_t*>(&word);
 }
 
-// Stream-memop protocol: makes every wait issued so far on `m` pass and marks their outputs failed
+// Memop protocol: makes every wait issued so far on `m` pass and marks their outputs failed
 // (NaN). The copies run on the region's side stream: this never blocks a handler.
 void release(const WorkspaceState& ws, const Member& m) {
   try {
@@ -48,7 +48,7 @@ void release(const WorkspaceState& ws, const Member& m) {
   }
 }
 
-// `what`: the op's name where the host knows it (stream-memop protocol), "collective" otherwise.
+// `what`: the op's name where the host knows it (memop protocol), "collective" otherwise.
 std::string timeout_message(const WorkspaceState& ws, const Member& m, const char* what,
                             uint32_t epoch, const std::string& missing, const std::string& detail) {
   char timeout[32];
@@ -99,7 +99,7 @@ void report_timeout(WorkspaceState& ws, const std::string& why) {
   if (ws.config.abort_on_timeout) std::abort();
 }
 
-// Stream-memop protocol: tracks how long `m` has sat at the same wait; past the timeout, reports
+// Memop protocol: tracks how long `m` has sat at the same wait; past the timeout, reports
 // the call and releases the wait.
 void poll_stream_wait(WorkspaceState& ws, const Member& m, const Clock::time_point now,
                       std::vector<Watch>& watches, std::vector<Watch>& next) {

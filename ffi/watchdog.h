@@ -1,5 +1,5 @@
 // The watchdog: one host thread per process that notices a call no peer completes.
-// - Stream-memop protocol: when a GPU has sat at the same call's wait for longer than the
+// - Memop protocol: when a GPU has sat at the same call's wait for longer than the
 //   workspace's timeout, it names the call and the missing peers, marks the workspace failed
 //   (later calls return that error), sets the header's state (the stuck call's outputs become
 //   NaN) and releases the wait, so the GPU never hangs.

@@ -42,7 +42,7 @@ struct Member {
         epoch(initial_epoch) {}
   SymmetricRegion region;
   std::unique_ptr<CallStream> call_stream;  // overlap=True only
-  std::atomic<uint32_t> epoch;  // stream-memop protocol: the last epoch issued (host-side)
+  std::atomic<uint32_t> epoch;              // memop protocol: the last epoch issued (host-side)
   std::atomic<uint32_t> test_finish_delay_ns{0};        // test builds only: see CallPlan
   std::array<std::atomic<uint8_t>, 256> op_of_epoch{};  // for messages: op kind by epoch % 256
 };

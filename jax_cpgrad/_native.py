@@ -60,7 +60,7 @@ MAX_RANKS: int = int(ext.MAX_RANKS)
 MAX_TENSORS: int = int(ext.MAX_TENSORS)
 HAS_TEST_HOOKS: bool = HAS_CUDA and bool(ext.HAS_TEST_HOOKS)
 
-# Per op and protocol: (FFI target, whether the call has side effects). The stream-memop protocol
+# Per op and protocol: (FFI target, whether the call has side effects). The memop protocol
 # advances a host-side epoch at every call, so no call may be dropped or merged; the device
 # protocol keeps its epoch on the GPU, and every rank runs the same program, so XLA drops or
 # merges the same calls everywhere (and only calls without side effects enter CUDA graphs).

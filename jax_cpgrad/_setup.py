@@ -38,7 +38,7 @@ def gpu_ids(key: str, arguments: list, local_devices: list) -> dict[int, str]:
     if any(e["arguments"] != entries[0]["arguments"] for e in entries):
         raise ValueError(
             "jax_cpgrad.Workspace was created with different arguments on different processes "
-            "(axis, N, nbytes, timeout, protocol, SM budget, mesh devices): "
+            "(axis, R, nbytes, timeout, protocol, SM budget, mesh devices): "
             + "; ".join(f"process {p}: {e['arguments']}" for p, e in enumerate(entries))
         )
     return {int(k): v for e in entries for k, v in e["gpus"].items()}
@@ -55,7 +55,7 @@ def shared_gpus(groups: dict, pci_of: dict[int, str]) -> list[str]:
 
 
 def resolve_protocol(requested: str, shared: list[str]) -> str:
-    """'auto' is the device protocol when every rank has its own GPU, the stream-memop protocol
+    """'auto' is the device protocol when every rank has its own GPU, the memop protocol
     when ranks share one (spinning kernels of time-sliced processes would crawl)."""
     if requested == "auto":
         return "memop" if shared else "device"

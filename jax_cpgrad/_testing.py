@@ -8,12 +8,13 @@ any call on it.
 from __future__ import annotations
 
 from ._native import HAS_TEST_HOOKS
+from .workspace import native_of
 
 
 def _native(ws):
     if not HAS_TEST_HOOKS:
         raise RuntimeError("this jax_cpgrad build has no test hooks: rebuild with JAX_CPGRAD_TEST_HOOKS=ON")
-    return ws._native
+    return native_of(ws)
 
 
 def set_epoch(ws, epoch: int) -> None:
@@ -36,6 +37,6 @@ def skip_done_waits(ws) -> None:
 
 def delay_finishing(ws, rank: int, ns: int) -> None:
     """The GPU of CP rank ``rank`` waits ``ns`` nanoseconds before it reads each tile (device
-    protocol) or each call's slots (stream-memop protocol): a slow owner, whose peers run ahead
+    protocol) or each call's slots (memop protocol): a slow owner, whose peers run ahead
     into the next call. With the protection removed that overwrites what it has not read yet."""
     _native(ws).test_set_finish_delay(rank, ns)

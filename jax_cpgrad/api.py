@@ -39,7 +39,7 @@ def axis_size(axis_name: str, op: str) -> int:
         ) from err
 
 
-def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> int:
+def _validate(xs: tuple, seq_axis: int, num_ranks: int, op: str, *, global_: bool) -> int:
     """Check the arrays of one call; return the non-negative sequence axis."""
     if len(xs) > MAX_TENSORS:
         raise ValueError(f"jax_cpgrad.{op}: at most {MAX_TENSORS} arrays per call, got {len(xs)}")
@@ -60,16 +60,16 @@ def _validate(xs: tuple, seq_axis: int, n: int, op: str, *, global_: bool) -> in
             )
     seq = normalize_seq_axis(seq_axis, first.ndim)
     try:
-        chunk_geometry(first.shape, seq, n, global_=global_)
+        chunk_geometry(first.shape, seq, num_ranks, global_=global_)
     except ValueError as err:
         raise ValueError(f"jax_cpgrad.{op}: {err}") from None
     return seq
 
 
-def _local_nbytes(xs: tuple, n: int, global_: bool) -> int:
+def _local_nbytes(xs: tuple, num_ranks: int, global_: bool) -> int:
     """Bytes one call moves per device, counted in local shapes (what a workspace slot holds)."""
     per = xs[0].dtype.itemsize * int(np.prod(xs[0].shape))
-    return len(xs) * (per // n if global_ else per)
+    return len(xs) * (per // num_ranks if global_ else per)
 
 
 def spec_of(workspace, op: str) -> WorkspaceSpec | None:
@@ -82,32 +82,32 @@ def spec_of(workspace, op: str) -> WorkspaceSpec | None:
 
 
 def _prepare(arrays, axis_name, seq_axis, workspace, op: str, *, global_: bool):
-    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, N,
+    """Every trace-time check of one call: (tuple of arrays, rebuild, non-negative seq axis, R,
     workspace spec or None)."""
     xs, rebuild = _as_tuple(arrays, op)
-    n = axis_size(axis_name, op)
-    seq = _validate(xs, seq_axis, n, op, global_=global_)
+    num_ranks = axis_size(axis_name, op)
+    seq = _validate(xs, seq_axis, num_ranks, op, global_=global_)
     spec = spec_of(workspace, op)
     if spec is not None:
-        spec.check_call(axis_name, n, _local_nbytes(xs, n, global_), op)
-    return xs, rebuild, seq, n, spec
+        spec.check_call(axis_name, num_ranks, _local_nbytes(xs, num_ranks, global_), op)
+    return xs, rebuild, seq, num_ranks, spec
 
 
 # The two transports behind one differentiable pair. `spec` None means the XLA transport.
 
 
 def _grad_return_impl(xs, axis_name, seq, spec):
-    n = jax.lax.axis_size(axis_name)
+    num_ranks = jax.lax.axis_size(axis_name)
     if spec is None:
-        return tuple(grad_return_xla(x, axis_name, seq, n) for x in xs)
-    return grad_return_peer(xs, seq, n, spec)
+        return tuple(grad_return_xla(x, axis_name, seq, num_ranks) for x in xs)
+    return grad_return_peer(xs, seq, num_ranks, spec)
 
 
 def _all_gather_impl(xs, axis_name, seq, spec):
-    n = jax.lax.axis_size(axis_name)
+    num_ranks = jax.lax.axis_size(axis_name)
     if spec is None:
-        return tuple(all_gather_xla(x, axis_name, seq, n) for x in xs)
-    return all_gather_peer(xs, seq, n, spec)
+        return tuple(all_gather_xla(x, axis_name, seq, num_ranks) for x in xs)
+    return all_gather_peer(xs, seq, num_ranks, spec)
 
 
 def _linear_pair(forward, transpose):
@@ -138,20 +138,20 @@ _all_gather = _linear_pair(_all_gather_impl, _grad_return_impl)
 def _overlapped_pair(op: str, transpose_op: str):
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
     def run(fn, axis_name, seq, spec, xs, args):
-        n = jax.lax.axis_size(axis_name)
-        outs, y, _ = peer_transport.beside(op, xs, seq, n, spec, lambda a: (fn(*a), None), args)
+        num_ranks = jax.lax.axis_size(axis_name)
+        outs, y, _ = peer_transport.beside(op, xs, seq, num_ranks, spec, lambda a: (fn(*a), None), args)
         return outs, y
 
     def fwd(fn, axis_name, seq, spec, xs, args):
-        n = jax.lax.axis_size(axis_name)
-        outs, y, fn_vjp = peer_transport.beside(op, xs, seq, n, spec, lambda a: jax.vjp(fn, *a), args)
+        num_ranks = jax.lax.axis_size(axis_name)
+        outs, y, fn_vjp = peer_transport.beside(op, xs, seq, num_ranks, spec, lambda a: jax.vjp(fn, *a), args)
         return (outs, y), fn_vjp
 
     def bwd(fn, axis_name, seq, spec, fn_vjp, cts):
-        n = jax.lax.axis_size(axis_name)
+        num_ranks = jax.lax.axis_size(axis_name)
         ct_outs, ct_y = cts
         ct_xs, ct_args, _ = peer_transport.beside(
-            transpose_op, tuple(ct_outs), seq, n, spec, lambda c: (fn_vjp(c), None), ct_y
+            transpose_op, tuple(ct_outs), seq, num_ranks, spec, lambda c: (fn_vjp(c), None), ct_y
         )
         return ct_xs, ct_args
 
@@ -211,11 +211,11 @@ def all_gather_overlapped(xs, fn, *args, axis_name: str, seq_axis: int = 1, work
 def grad_return(grads, *, axis_name: str, seq_axis: int = 1, workspace=None):
     """Return context-parallel gradients to their owner ranks.
 
-    Inside ``jax.shard_map`` over ``axis_name`` (N devices), each rank passes gradients for the
+    Inside ``jax.shard_map`` over ``axis_name`` (R devices), each rank passes gradients for the
     *whole* global sequence (natural order, length S along ``seq_axis``): one array, or a
     tuple/list of same-shape arrays such as ``(dk, dv)``. Each rank gets back the same structure
-    with local length S/N along ``seq_axis``: the sum over all ranks of global chunks
-    ``(r, 2N-1-r)`` for its rank r, the load-balanced CP layout.
+    with local length S/R along ``seq_axis``: the sum over all ranks of global chunks
+    ``(r, 2R-1-r)`` for its rank r, the load-balanced CP layout.
 
     With ``workspace`` (a :class:`jax_cpgrad.Workspace` for this mesh axis) the sum runs over the
     peer transport on the GPUs, in float32 in rank order, rounded once: deterministic, bitwise
@@ -230,7 +230,7 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
     """Gather CP-layout local shards into natural-order global arrays on every rank.
 
     The inverse layout of :func:`grad_return` (the forward pass of all-gather CP attention):
-    each rank passes its local shard(s) of length S/N along ``seq_axis`` (chunks r and 2N-1-r)
+    each rank passes its local shard(s) of length S/R along ``seq_axis`` (chunks r and 2R-1-r)
     and gets the whole sequence, length S, in natural order. Differentiable: its VJP is
     :func:`grad_return` on the same transport.
     """
@@ -241,10 +241,12 @@ def all_gather(xs, *, axis_name: str, seq_axis: int = 1, workspace=None):
 def grad_return_reference(grads, *, axis_name: str, seq_axis: int = 1):
     """:func:`grad_return`'s exact result (float32 sum in rank order) with XLA collectives.
 
-    Not differentiable through a custom rule and slower (an all-to-all plus n adds); meant as
+    Not differentiable through a custom rule and slower (an all-to-all plus R adds); meant as
     the oracle that the peer transport must match bit for bit.
     """
     from .xla_transport import grad_return_reference as reference
 
-    xs, rebuild, seq, n, _ = _prepare(grads, axis_name, seq_axis, None, "grad_return_reference", global_=True)
-    return rebuild(tuple(reference(x, axis_name, seq, n) for x in xs))
+    xs, rebuild, seq, num_ranks, _ = _prepare(
+        grads, axis_name, seq_axis, None, "grad_return_reference", global_=True
+    )
+    return rebuild(tuple(reference(x, axis_name, seq, num_ranks) for x in xs))

@@ -1,6 +1,6 @@
-"""Run N JAX processes on one host, one per CP rank.
+"""Run R JAX processes on one host, one per CP rank.
 
-    python -m jax_cpgrad.launch -n 4 [--timeout 600] [--devices auto|share|per-rank] script.py [args...]
+    python -m jax_cpgrad.launch -n 4 [--timeout 600] [--devices auto|share|per-rank|none] script.py [args...]
 
 Each rank runs ``script.py`` with a local coordinator, whose service listens on the loopback
 address only; the script calls ``jax_cpgrad.launch.initialize()`` (instead of
@@ -8,15 +8,18 @@ address only; the script calls ``jax_cpgrad.launch.initialize()`` (instead of
 fails stops the others, and so does the timeout: a protocol bug shows up as a hang, and a hang
 must never outlive the launcher.
 
-With fewer GPUs than ranks (``--devices share``, chosen automatically), every rank uses GPU 0:
-the processes time-slice one GPU. That tests correctness of the multi-process peer transport
-(GPU memory shared between the processes) but says nothing about NVLink speed. NCCL refuses to run in
-that mode, so use the numpy oracle there, not XLA collectives.
+``--devices auto`` (the default) picks ``per-rank`` (GPU r for rank r) where there are at least as
+many GPUs as ranks, ``share`` where there are fewer, and ``none`` where there is no GPU.
 
-With ``--devices none`` (chosen where there is no GPU) each rank runs on the CPU, one CPU device
-per process, with XLA's CPU collectives between the processes (gloo). A rank must not exit while
-a computation that talks to the other ranks is still queued (JAX dispatches asynchronously): wait
-for the last step's results on every rank, or end with ``jax_cpgrad.launch.finish()``.
+With ``--devices share`` every rank uses GPU 0: the processes time-slice one GPU. That tests
+correctness of the multi-process peer transport (GPU memory shared between the processes) but says
+nothing about NVLink speed. NCCL refuses to run in that mode, so use the numpy oracle there, not
+XLA collectives.
+
+With ``--devices none`` each rank runs on the CPU, one CPU device per process, with XLA's CPU
+collectives between the processes (gloo). A rank must not exit while a computation that talks to
+the other ranks is still queued (JAX dispatches asynchronously): wait for the last step's results
+on every rank, or end with ``jax_cpgrad.launch.finish()``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ _ENV_COORDINATOR = "JAX_CPGRAD_COORDINATOR"
 _ENV_NUM = "JAX_CPGRAD_NUM_PROCESSES"
 _ENV_RANK = "JAX_CPGRAD_PROCESS_ID"
 _ENV_DEVICE = "JAX_CPGRAD_LOCAL_DEVICE"
+DEVICE_CHOICES = ("auto", "share", "per-rank", "none")  # --devices, launch(devices=...)
 
 
 def initialize() -> None:
@@ -108,21 +112,27 @@ def _running(pid: int) -> bool:
 
 
 def rank() -> int:
+    """This process's rank in the launched job (0 outside one)."""
     return int(os.environ.get(_ENV_RANK, "0"))
 
 
 def num_processes() -> int:
+    """The launched job's number of ranks (1 outside one)."""
     return int(os.environ.get(_ENV_NUM, "1"))
 
 
 @dataclasses.dataclass
 class RankResult:
+    """One rank's end: its exit code and its whole output."""
+
     rank: int
     returncode: int | None  # None: killed by the launcher (another rank failed, or timeout)
     output: str
 
 
 class LaunchError(RuntimeError):
+    """A rank failed or the job timed out; ``results`` holds every rank's :class:`RankResult`."""
+
     def __init__(self, message: str, results: list[RankResult]):
         super().__init__(message)
         self.results = results
@@ -169,9 +179,13 @@ def launch(
     env: dict | None = None,
     echo: bool = True,
 ) -> list[RankResult]:
-    """Run ``argv`` as N ranks; return each rank's result, or raise LaunchError on failure/timeout."""
+    """Run ``argv`` as ``n`` ranks (processes); return each rank's result, or raise LaunchError on
+    failure or timeout. ``devices``: one of DEVICE_CHOICES, as ``--devices``; ``env``: added to
+    every rank's environment; ``echo``: print every rank's output, prefixed with its rank."""
     if n < 1:
         raise ValueError("n must be >= 1")
+    if devices not in DEVICE_CHOICES:
+        raise ValueError(f"devices must be one of {DEVICE_CHOICES}, got {devices!r}")
     gpus = visible_gpu_count()
     if devices == "auto":
         devices = "none" if gpus == 0 else ("per-rank" if gpus >= n else "share")
@@ -257,19 +271,25 @@ def launch(
     return results
 
 
-def main(args: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jax_cpgrad.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="ranks, one process each")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is killed")
     parser.add_argument(
         "--devices",
-        choices=["auto", "share", "per-rank", "none"],
+        choices=DEVICE_CHOICES,
         default="auto",
-        help="GPU per rank: per-rank (GPU r), share (all on GPU 0), none (CPU)",
+        help="per-rank (GPU r for rank r), share (all on GPU 0), none (one CPU device each), "
+        "auto (per-rank, share or none, by the GPUs there are)",
     )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    opts = parser.parse_args(args)
+    return parser
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m jax_cpgrad.launch``: exit code 0, 1 (a rank failed) or 124 (the timeout)."""
+    opts = _parser().parse_args(args)
     argv = [sys.executable, opts.script, *opts.script_args]
     try:
         launch(argv, opts.num_processes, timeout_s=opts.timeout, devices=opts.devices)

@@ -22,12 +22,14 @@ def _result_type(x, shape):
     return jax.typeof(x).update(shape=tuple(shape))
 
 
-def _out_len(op: str, xs: tuple, seq_axis: int, n: int) -> int:
+def _out_len(op: str, xs: tuple, seq_axis: int, num_ranks: int) -> int:
     length = xs[0].shape[seq_axis]
-    return length // n if op == "grad_return" else length * n
+    return length // num_ranks if op == "grad_return" else length * num_ranks
 
 
-def _ffi_call(target: str, side_effect: bool, operands: tuple, results: tuple, n, seq_axis, spec, **kw):
+def _ffi_call(
+    target: str, side_effect: bool, operands: tuple, results: tuple, num_ranks, seq_axis, spec, **kw
+):
     call = jax.ffi.ffi_call(
         target,
         results,
@@ -40,25 +42,29 @@ def _ffi_call(target: str, side_effect: bool, operands: tuple, results: tuple, n
         call(
             *operands,
             workspace_id=np.int64(spec.id),
-            axis_size=np.int64(n),
+            axis_size=np.int64(num_ranks),
             seq_axis_from_end=np.int64(operands[0].ndim - seq_axis),
         )
     )
 
 
-def _op_call(target: tuple[str, bool], op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
+def _op_call(
+    target: tuple[str, bool], op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec
+):
     """A whole call or a start: ``target`` (name, has_side_effect) on ``xs``, op's result shapes."""
-    out_shape = xs[0].shape[:seq_axis] + (_out_len(op, xs, seq_axis, n),) + xs[0].shape[seq_axis + 1 :]
+    out_shape = (
+        xs[0].shape[:seq_axis] + (_out_len(op, xs, seq_axis, num_ranks),) + xs[0].shape[seq_axis + 1 :]
+    )
     results = tuple(_result_type(x, out_shape) for x in xs)
-    return _ffi_call(*target, xs, results, n, seq_axis, spec)
+    return _ffi_call(*target, xs, results, num_ranks, seq_axis, spec)
 
 
-def start(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
+def start(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec) -> tuple:
     """The start of an overlapped call: its results, not to be read before :func:`done`."""
-    return _op_call(spec.start_target(op), op, xs, seq_axis, n, spec)
+    return _op_call(spec.start_target(op), op, xs, seq_axis, num_ranks, spec)
 
 
-def done(pending: tuple, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) -> tuple:
+def done(pending: tuple, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec) -> tuple:
     """The results of the call that :func:`start` began on ``xs``: ``pending``, released by the
     done's token. (The done does not return the results itself, aliased or copied: XLA places a
     custom call's results where it likes, e.g. straight into a scan's stacked output, and would
@@ -67,7 +73,7 @@ def done(pending: tuple, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec) 
     # The start's results as operands place the done after whatever they were tied to (the work
     # beside); it does not read them. Side effects: XLA must never drop the done, or the
     # workspace's stream could still write the results after XLA has reused their memory.
-    (token,) = _ffi_call(spec.done_target, True, (*pending, *xs), (token_type,), n, seq_axis, spec)
+    (token,) = _ffi_call(spec.done_target, True, (*pending, *xs), (token_type,), num_ranks, seq_axis, spec)
     results, _ = jax.lax.optimization_barrier((pending, token))
     return tuple(results)
 
@@ -86,7 +92,7 @@ def tie(pending: tuple, values):
     return pending, jax.tree.unflatten(tree, leaves)
 
 
-def beside(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec, work, inputs):
+def beside(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec, work, inputs):
     """op's results, and ``work(inputs)`` run while the call is in flight (overlap=True).
 
     ``work`` returns (value, extra): the done waits for ``value`` (so the work is placed between
@@ -94,22 +100,22 @@ def beside(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec, work,
     outputs that nothing uses, and with them the order. ``extra`` passes through (e.g. a VJP
     function).
     """
-    pending = start(op, xs, seq_axis, n, spec)
+    pending = start(op, xs, seq_axis, num_ranks, spec)
     pending, inputs = tie(pending, inputs)  # the work cannot begin before the start
     value, extra = work(inputs)
     pending, value = tie(pending, value)  # nor the done come before the work
-    return done(pending, xs, seq_axis, n, spec), value, extra
+    return done(pending, xs, seq_axis, num_ranks, spec), value, extra
 
 
-def _call(op: str, xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
+def _call(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec):
     if spec.overlap:  # a pair with nothing between: the call stays on the workspace's stream
-        return beside(op, xs, seq_axis, n, spec, lambda _: ((), None), ())[0]
-    return _op_call(spec.target(op), op, xs, seq_axis, n, spec)
+        return beside(op, xs, seq_axis, num_ranks, spec, lambda _: ((), None), ())[0]
+    return _op_call(spec.target(op), op, xs, seq_axis, num_ranks, spec)
 
 
-def grad_return_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
-    return _call("grad_return", xs, seq_axis, n, spec)
+def grad_return_peer(xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec):
+    return _call("grad_return", xs, seq_axis, num_ranks, spec)
 
 
-def all_gather_peer(xs: tuple, seq_axis: int, n: int, spec: WorkspaceSpec):
-    return _call("all_gather", xs, seq_axis, n, spec)
+def all_gather_peer(xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec):
+    return _call("all_gather", xs, seq_axis, num_ranks, spec)

@@ -17,15 +17,15 @@ PROTOCOLS = ("device", "memop")
 @dataclasses.dataclass(frozen=True)
 class WorkspaceSpec:
     """id: the native workspace's id (an attribute of every call); name: for messages; axis_name
-    and n: the mesh axis and its size; nbytes: the most bytes one call moves per device, in local
-    shapes; protocol: "device" (one fused kernel, device-resident epochs, CUDA-graph capturable)
-    or "memop" (stream memory operations; for ranks that share a GPU); overlap: every call runs on
-    the workspace's own stream, as a start/done pair (see Workspace)."""
+    and num_ranks: the mesh axis and its size R; nbytes: the most bytes one call moves per device,
+    in local shapes; protocol: "device" (one kernel per call, device-resident epochs, CUDA-graph
+    capturable) or "memop" (stream memory operations; for ranks that share a GPU); overlap: every
+    call runs on the workspace's own stream, as a start/done pair (see Workspace)."""
 
     id: int
     name: str
     axis_name: str
-    n: int
+    num_ranks: int
     nbytes: int
     protocol: str
     overlap: bool = False
@@ -46,17 +46,17 @@ class WorkspaceSpec:
 
     done_target = DONE_TARGET
 
-    def check_call(self, axis_name: str, n: int, nbytes: int, op: str) -> None:
+    def check_call(self, axis_name: str, num_ranks: int, nbytes: int, op: str) -> None:
         """ValueError at trace time for a call this workspace cannot serve."""
         if axis_name != self.axis_name:
             raise ValueError(
                 f"jax_cpgrad.{op}: axis_name {axis_name!r} but workspace '{self.name}' "
                 f"was created for axis {self.axis_name!r}"
             )
-        if n != self.n:
+        if num_ranks != self.num_ranks:
             raise ValueError(
-                f"jax_cpgrad.{op}: the {axis_name!r} axis has {n} devices but workspace "
-                f"'{self.name}' was created for {self.n}"
+                f"jax_cpgrad.{op}: the {axis_name!r} axis has {num_ranks} devices but workspace "
+                f"'{self.name}' was created for {self.num_ranks}"
             )
         if nbytes > self.nbytes:
             raise ValueError(

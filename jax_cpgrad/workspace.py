@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _distributed, _setup
 from ._native import HAS_CUDA, MAX_RANKS, ext, require_cuda
-from .spec import WorkspaceSpec
+from .spec import PROTOCOLS, WorkspaceSpec
 
 DEFAULT_TIMEOUT_S = 600.0  # like NCCL's and PyTorch's default collective timeouts
 # The device protocol's share of each GPU: by default every SM (one block each) per call, half of
@@ -29,17 +29,25 @@ DEFAULT_PUSH_SHARE = 0.5
 # How processes pass each other their memory: file descriptors over a private socket, between the
 # processes of one host (docs/peer-memory.md); "fabric" handles are detected, not exchanged yet.
 HANDLE_TYPES = ("posix_fd", "fabric")
+PROTOCOL_CHOICES = ("auto", *PROTOCOLS)  # "auto": device where every rank has its own GPU, else memop
+ON_TIMEOUT_CHOICES = ("raise", "abort")
 _creation_counter = itertools.count()
 _open_workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
 
 
-def workspace_bytes(n: int, nbytes: int) -> int:
-    """Device memory a Workspace(nbytes=...) holds on each GPU of an N-way CP group: two sets
-    (double buffering) of N slots of ``nbytes``, plus the flags (8 KiB per rank) and two sets of
-    N slots for the device protocol's small calls (LL words: twice ``nbytes``, at most 512 KiB
-    each). One workspace
-    serves every layer and microbatch, so this does not grow with the model's depth."""
-    return int(ext.region_bytes(n, nbytes))
+def workspace_bytes(num_ranks: int, nbytes: int) -> int:
+    """Device memory a Workspace(nbytes=...) holds on each GPU of an R-way CP group (R =
+    ``num_ranks``): two sets (double buffering) of R slots of ``nbytes``, plus the flags (8 KiB per
+    rank) and two sets of R slots for the device protocol's small calls (LL words: twice
+    ``nbytes``, at most 512 KiB each). One workspace serves every layer and microbatch, so this
+    does not grow with the model's depth."""
+    return int(ext.region_bytes(num_ranks, nbytes))
+
+
+def _one_of(choices: tuple) -> str:
+    """The choices as a message lists them: 'a', 'b' or 'c'."""
+    quoted = [repr(c) for c in choices]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def _default_timeout() -> float:
@@ -49,33 +57,35 @@ def _default_timeout() -> float:
 def _check_arguments(
     mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap, handle_type
 ) -> int:
-    """ValueError for arguments no process could use; returns N."""
+    """ValueError for arguments no process could use; returns R, the CP size."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes <= 0:
         raise ValueError(f"nbytes must be a positive int (bytes per call per device), got {nbytes!r}")
-    if protocol not in ("auto", "device", "memop"):
-        raise ValueError(f"protocol must be 'auto', 'device' or 'memop', got {protocol!r}")
+    if protocol not in PROTOCOL_CHOICES:
+        raise ValueError(f"protocol must be {_one_of(PROTOCOL_CHOICES)}, got {protocol!r}")
     if sm_budget is not None and (not isinstance(sm_budget, int) or sm_budget < 2):
         raise ValueError(f"sm_budget must be an int >= 2 (SMs one call may occupy), got {sm_budget!r}")
     if push_share is not None and not 0 < push_share <= 1:
         raise ValueError(f"push_share must be in (0, 1], got {push_share!r}")
-    if on_timeout not in ("raise", "abort"):
-        raise ValueError(f"on_timeout must be 'raise' or 'abort', got {on_timeout!r}")
+    if on_timeout not in ON_TIMEOUT_CHOICES:
+        raise ValueError(f"on_timeout must be {_one_of(ON_TIMEOUT_CHOICES)}, got {on_timeout!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True or False, got {overlap!r}")
     if handle_type not in HANDLE_TYPES:
         raise ValueError(f"handle_type must be one of {HANDLE_TYPES}, got {handle_type!r}")
-    n = int(mesh.shape[axis_name])
-    if n > MAX_RANKS:
-        raise ValueError(f"the {axis_name!r} axis has {n} devices; at most {MAX_RANKS} are supported")
+    num_ranks = int(mesh.shape[axis_name])
+    if num_ranks > MAX_RANKS:
+        raise ValueError(
+            f"the {axis_name!r} axis has {num_ranks} devices (CP ranks); at most {MAX_RANKS} are supported"
+        )
     not_gpu = sorted({d.platform for d in mesh.devices.flat} - {"gpu", "cuda"})
     if not_gpu:
         raise ValueError(
             f"the peer transport needs GPUs, but the mesh has {', '.join(not_gpu)} devices: "
             "use grad_return/all_gather without a workspace (the XLA transport) there"
         )
-    return n
+    return num_ranks
 
 
 def _device_blocks(
@@ -122,14 +132,15 @@ class Workspace:
       axis_name: the context-parallel axis of ``mesh``.
       nbytes: capacity of one call, per device: the bytes of all tensors of a call in their
         local (per-rank) shape, e.g. ``dk_local.nbytes + dv_local.nbytes``. Each device holds
-        ``workspace_bytes(N, nbytes)`` (double-buffered slots and the flags).
+        ``workspace_bytes(R, nbytes)`` for R CP ranks (double-buffered slots and the flags).
       timeout_s: how long a device waits for its peers at one call before the call fails
         (default 600 s, or ``JAX_CPGRAD_TIMEOUT_S``); 0 waits forever.
       name: shown in error messages.
       protocol: ``"device"`` (one kernel per call that pushes, signals and waits from the GPU,
         with the epoch in device memory: the fastest, and XLA records it into CUDA graphs),
-        ``"memop"`` (stream memory operations: for ranks that share one GPU), or ``"auto"``
-        (device when every rank has its own GPU).
+        ``"memop"`` (a copy kernel, CUDA stream memory operations to signal and wait, a sum
+        kernel: for ranks that share one GPU), or ``"auto"`` (device when every rank has its own
+        GPU, memop otherwise).
       sm_budget: device protocol: the most SMs one call occupies (default: all of the GPU's, or half
         with overlap=True); a lower budget leaves SMs to kernels XLA runs beside it.
       push_share: device protocol: the share of those SMs that push (the rest finish); 1: every
@@ -170,7 +181,7 @@ class Workspace:
         overlap: bool = False,
         handle_type: str = "posix_fd",
     ):
-        n = _check_arguments(
+        num_ranks = _check_arguments(
             mesh, axis_name, nbytes, protocol, sm_budget, push_share, on_timeout, overlap, handle_type
         )
         nbytes = int(nbytes)
@@ -187,7 +198,7 @@ class Workspace:
         self._local = [d for d in mesh.devices.flat if d.process_index == me]
         arguments = [
             axis_name,
-            n,
+            num_ranks,
             nbytes,
             timeout_s,
             protocol,
@@ -206,7 +217,7 @@ class Workspace:
             _check_handle_type(handle_type, self._fabric_supported)
             native = ext.NativeWorkspace(
                 name,
-                n,
+                num_ranks,
                 nbytes,
                 timeout_s,
                 resolved,
@@ -232,7 +243,7 @@ class Workspace:
             id=native.id,
             name=name,
             axis_name=axis_name,
-            n=n,
+            num_ranks=num_ranks,
             nbytes=nbytes,
             protocol=resolved,
             overlap=overlap,
@@ -262,8 +273,9 @@ class Workspace:
         return self.spec.axis_name
 
     @property
-    def n(self) -> int:
-        return self.spec.n
+    def num_ranks(self) -> int:
+        """R: the CP size, the devices of the mesh axis."""
+        return self.spec.num_ranks
 
     @property
     def nbytes(self) -> int:
@@ -288,7 +300,7 @@ class Workspace:
     @property
     def bytes_per_device(self) -> int:
         """Device memory this workspace holds on each GPU."""
-        return workspace_bytes(self.n, self.nbytes)
+        return workspace_bytes(self.num_ranks, self.nbytes)
 
     def status(self) -> dict:
         """Epochs, failure state and sizes, for diagnostics."""
@@ -302,10 +314,10 @@ class Workspace:
         if failure:
             raise RuntimeError(failure)
 
-    def _push_targets(self) -> list:
-        """For the benchmarks' ceiling: per local GPU (CUDA ordinal, CP rank, PCI bus id,
-        [(device pointer, owner's PCI bus id)] per peer in rotated order), each pointer where this
-        rank may write up to ``slot_bytes`` into that owner's memory."""
+    def push_targets(self) -> list:
+        """For the benchmarks' ceiling (``benchmarks/ceiling.py``): per local GPU (CUDA ordinal, CP
+        rank, PCI bus id, [(device pointer, owner's PCI bus id)] per peer in rotated order), each
+        pointer where this rank may write up to ``slot_bytes`` into that owner's memory."""
         groups = _setup.cp_groups(self.mesh, self.axis_name)
         by_ordinal = {d.local_hardware_id: d for d in self._local}
         out = []
@@ -320,6 +332,8 @@ class Workspace:
                 )
             )
         return out
+
+    _push_targets = push_targets  # the old name, until benchmarks/ceiling.py calls push_targets
 
     @property
     def slot_bytes(self) -> int:
@@ -361,9 +375,15 @@ class Workspace:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"Workspace({self.name!r}, axis={self.axis_name!r}, n={self.n}, nbytes={self.nbytes}, "
-            f"protocol={self.protocol!r}, {state})"
+            f"Workspace({self.name!r}, axis={self.axis_name!r}, num_ranks={self.num_ranks}, "
+            f"nbytes={self.nbytes}, protocol={self.protocol!r}, {state})"
         )
+
+
+def native_of(ws: Workspace) -> ext.NativeWorkspace:
+    """The native workspace behind an open ``ws`` (for the test hooks, ``jax_cpgrad._testing``);
+    ValueError once it is closed."""
+    return ws._open_native
 
 
 def _release_at_exit() -> None:

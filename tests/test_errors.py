@@ -125,7 +125,7 @@ def test_workspace_argument_checks(kwargs, match):
             "was created for axis 'sp'",
         ),
         (
-            dict(n=4),
+            dict(num_ranks=4),
             lambda ws: lambda a: cpg.all_gather(a, axis_name="cp", seq_axis=1, workspace=ws),
             "has 2 devices but workspace 'stub' was created for 4",
         ),

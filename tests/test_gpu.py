@@ -1,6 +1,7 @@
 """The peer transport on real GPUs: multi-process (memory passed as file descriptors over a private
 socket) through the launcher, one process per CP rank; several ranks share one GPU when there are
-fewer GPUs than ranks (DEVICE.md). The security tests also need root (they add a second user).
+fewer GPUs than ranks (the launcher's ``--devices share``). The security tests also need root
+(they add a second user).
 
 Skips, with the reason, where there is no GPU or no CUDA build. Set JAX_CPGRAD_REQUIRE_GPU=1 to
 turn those skips into failures (the GPU machine does, so a suite that should run cannot hide).

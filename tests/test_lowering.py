@@ -45,7 +45,7 @@ def test_grad_return_lowers_to_one_custom_call_with_its_attributes(protocol, tar
 
 def test_only_the_device_protocol_handlers_are_command_buffer_compatible():
     """XLA records a custom call into its CUDA graphs only when the handler says so (asked the
-    way XLA asks: a metadata call frame). A stream-memop handler must never say so: its epochs
+    way XLA asks: a metadata call frame). A memop handler must never say so: its epochs
     are host-chosen, and a replayed graph would pass stale waits."""
     if not cpg.HAS_CUDA:
         pytest.skip("the handlers are in the CUDA build only (no nvcc at build time)")

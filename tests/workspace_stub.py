@@ -4,6 +4,6 @@
 from jax_cpgrad.spec import WorkspaceSpec
 
 
-def workspace_spec(n: int = 2, **fields) -> WorkspaceSpec:
-    base = dict(id=7, name="stub", axis_name="cp", n=n, nbytes=1 << 24, protocol="memop")
+def workspace_spec(num_ranks: int = 2, **fields) -> WorkspaceSpec:
+    base = dict(id=7, name="stub", axis_name="cp", num_ranks=num_ranks, nbytes=1 << 24, protocol="memop")
     return WorkspaceSpec(**{**base, **fields})

@@ -47,7 +47,7 @@ struct RegionBuffer {
   char* ptr = nullptr;
 };
 
-// The benchmarks' call: dK and dV in bf16, `global_bytes` each, over N ranks (rank 0's view).
+// The benchmarks' call: dK and dV in bf16, `global_bytes` each, over R ranks (rank 0's view).
 inline CallPlan bf16_pair_plan(int64_t n, int64_t global_bytes, int64_t min_run) {
   CallPlan plan;
   plan.n = n;

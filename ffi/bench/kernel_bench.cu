@@ -1,4 +1,4 @@
-// Single-GPU measurements of the transport's kernels: N writers are emulated by N regions on one
+// Single-GPU measurements of the transport's kernels: R writers are emulated by R regions on one
 // device, so they measure HBM efficiency and per-call cost, not NVLink.
 #include <cuda_runtime.h>
 #include <nanobind/stl/string.h>
@@ -22,7 +22,7 @@ namespace nb = nanobind;
 namespace jax_cpgrad {
 namespace {
 
-// N ranks' headers and slots, all on this GPU, the flags at `flag_epoch` and the state ok.
+// R ranks' headers and slots, all on this GPU, the flags at `flag_epoch` and the state ok.
 struct EmulatedPeers {
   EmulatedPeers(int64_t n, int64_t slot_bytes, uint32_t flag_epoch) {
     std::vector<uint32_t> header(header_bytes(n, slot_bytes) / 4, flag_epoch);
@@ -75,7 +75,7 @@ ElementType parse_dtype(const std::string& name) {
   throw std::invalid_argument("dtype must be float32, bfloat16 or float16");
 }
 
-// Times scatter, accumulate, gather and plain copies for one rank of an N-way call moving
+// Times scatter, accumulate, gather and plain copies for one rank of an R-way call moving
 // `tensors` tensors of `global_bytes` each (shape [S, inner], sequence axis 0).
 nb::dict kernel_bench(int64_t n, int64_t tensors, int64_t global_bytes, const std::string& dtype,
                       int iters, int reps) {
@@ -185,7 +185,7 @@ nb::dict copy_bench(int src, int dst, int64_t bytes, int iters, int reps) {
   return d;
 }
 
-// Fixed cost of one call for one rank, N writers emulated on this GPU with every wait already
+// Fixed cost of one call for one rank, R writers emulated on this GPU with every wait already
 // satisfied: host time to enqueue, and GPU time per call, for the whole call and its parts.
 nb::dict call_overhead_bench(int64_t n, int64_t global_bytes, int iters, int32_t block_budget,
                              int32_t push_blocks) {

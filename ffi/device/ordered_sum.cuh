@@ -1,5 +1,5 @@
-// The ordered float32 sum both protocols end with: out = in_0 + in_1 + ... + in_{N-1}, added in
-// writer order 0..N-1 in float32 starting from writer 0's value, rounded once to T. Deterministic,
+// The ordered float32 sum both protocols end with: out = in_0 + in_1 + ... + in_{R-1}, added in
+// writer order 0..R-1 in float32 starting from writer 0's value, rounded once to T. Deterministic,
 // and bitwise equal to grad_return_reference (which sums the same way with XLA ops).
 #pragma once
 
@@ -37,7 +37,7 @@ __device__ __forceinline__ Word poison_word() {
   return w;
 }
 
-// Where the N contributions of one stretch of output come from: our own from `own` (the global
+// Where the R contributions of one stretch of output come from: our own from `own` (the global
 // input), writer w's from `slot0 + w * slot_stride` (w != self).
 template <typename Word>
 struct Contributions {
@@ -51,7 +51,7 @@ struct Contributions {
 };
 
 // Sums words base, base + kStride, ..., base + (kUnroll-1) * kStride (those below `words`) of
-// the N contributions into `out`. `Word` is what one load moves (uint4, or T itself); loaded
+// the R contributions into `out`. `Word` is what one load moves (uint4, or T itself); loaded
 // words stay packed and are unpacked one element at a time as they are added (a struct of T
 // elements made nvcc keep every bf16 in its own register: 213 registers, 35% of a copy). The
 // loads of kWriterBatch writers are issued before their adds, so each thread keeps
