@@ -1,0 +1,430 @@
+"""The halo exchange for sliding windows under CP: each rank gets only the neighbours' K/V rows
+its window can reach, and the VJP returns their dK/dV to the owners.
+
+In the load-balanced layout (rank r of R holds global chunks r and 2R-1-r of c = S/(2R) rows), a
+window ``(left, right)`` with ``left < c`` and ``right < c`` (query p sees key k when
+``p - k <= left`` and ``k - p <= right``; ``right = 0`` when causal) means chunk j needs only the
+last ``left`` rows of chunk j-1 and the first ``right`` rows of chunk j+1. For rank r those are
+four pieces (the slots):
+
+- ``A``: the tail (``left`` rows) of chunk r-1, rank r-1's first chunk (none for r = 0);
+- ``B``: the head (``right`` rows) of chunk r+1, rank r+1's first chunk (for r = R-1 the rank's
+  own second chunk: padding);
+- ``C``: the tail of chunk 2R-2-r, rank r+1's second chunk (for r = R-1 the rank's own first
+  chunk: padding);
+- ``D``: the head of chunk 2R-r, rank r-1's second chunk (none for r = 0).
+
+**The row contract.** :func:`halo_exchange` returns a :class:`Halo`: ``rows`` (the halo of each
+array, ``[B, L, ...]`` with ``L = 2 * (left + right)``, sequence on axis 1), ``positions``
+(int32 ``[L]``: each row's GLOBAL position) and ``valid`` (bool ``[L]``). The rows are in slot
+order ``[A | B | C | D]``, except on rank R-1, where they are ``[A | D | B | C]``. Either way:
+
+- ``positions`` strictly increase along the rows, so ``masks.visibility(mask, q_pos,
+  halo.positions)`` can be built directly from them;
+- the real rows (``valid``) are exactly the other ranks' keys that some query of this rank can
+  see under the window, each once: together with the rank's own rows every key is counted once;
+- a padding row (``valid`` False: a chunk that does not exist, or the rank's own rows) holds
+  zeros, sits at position ``PAD_LOW + i`` if it comes before every real row and ``PAD_HIGH + i``
+  after (``i`` its row index), beyond the reach of any window with ``left, right < c``; it is
+  never between two real rows. Only the window excludes it: causal alone does not (a key at
+  ``PAD_LOW`` is earlier than every query), so pass the window, or use ``valid``. Cotangents of
+  padding rows are dropped.
+
+:func:`halo_positions` gives the same positions and validity in numpy, for a rank known at trace
+time (tests, references).
+
+**Transports.**
+
+- XLA collectives (no workspace): two ``jax.lax.ppermute`` per array, one to each neighbour,
+  moving only the halo rows: rank s sends ``[tail of its first chunk | head of its second]`` to
+  s+1 and ``[head of its first chunk | tail of its second]`` to s-1, ``left + right`` rows each.
+- Peer transport (a workspace): there is no neighbour-only peer op yet, so every rank's edge
+  rows (``[tail | head]`` of each of its chunks, ``2 * (left + right)`` rows; its whole two
+  chunks when ``left + right >= c``, where tail and head overlap) go through
+  :func:`jax_cpgrad.all_gather`, and each rank takes the rows it needs. Its VJP is
+  :func:`jax_cpgrad.grad_return` (float32 sums in rank order, deterministic, CUDA-graph safe, a
+  dead peer named after the timeout). It moves (R-1)x the bytes of the XLA path
+  (:func:`halo_transfer_nbytes`), still far less than the all-gather of all K/V while the
+  window is small against c; it never needs more workspace than the layer's
+  ``attention_workspace_nbytes``. **Next step:** a true neighbour exchange on the peer transport
+  (a new FFI op pushing the halo rows to the two neighbours only), which needs a GPU to write
+  and test.
+
+**Gradients.** The VJP sends each halo row's cotangent back to its owner in the arrays' dtype
+(a halo row's cotangent already is in that dtype, so a float32 move would carry the same values
+in twice the bytes). The owner sums in float32 and rounds once: on the XLA transport it adds
+the pieces' cotangents into its rows in a fixed order (a row gets two when it is both in its
+chunk's tail and head, ``left + right > c``); on the peer transport ``grad_return`` sums the
+ranks' contributions in rank order. autodiff then adds the result to the row's other cotangents
+(e.g. the local attention's dK) in the arrays' dtype, as with any custom VJP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import api
+
+_NAME = "jax_cpgrad.halo_exchange"
+# Padding rows' positions: beyond the reach of any window with left, right < c on a sequence of
+# fewer than 2^28 tokens, inside masks' int32 clipping range (2^30).
+PAD_LOW = -(1 << 29)
+PAD_HIGH = 1 << 29
+_MAX_SEQ = 1 << 28
+TRANSPORTS = ("xla", "peer")
+
+
+class Halo(NamedTuple):
+    """What :func:`halo_exchange` returns: ``rows`` in the structure of its input (each
+    ``[B, L, ...]``), ``positions`` (int32 ``[L]``, strictly increasing, global), ``valid``
+    (bool ``[L]``). See the module docstring for the order."""
+
+    rows: Any
+    positions: jax.Array
+    valid: jax.Array
+
+
+def halo_length(left: int, right: int) -> int:
+    """L, the number of halo rows a rank gets for a window ``(left, right)``."""
+    return 2 * (left + right)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_window(left, right, chunk_len: int, where: str = _NAME) -> tuple[int, int]:
+    """``(left, right)`` as ints, or ValueError naming the bad one: ints with 0 <= side < c."""
+    for name, side in (("left", left), ("right", right)):
+        if not _is_int(side):
+            raise ValueError(f"{where}: {name} must be an int, got {side!r}")
+        if not 0 <= side < chunk_len:
+            raise ValueError(
+                f"{where}: {name} must be >= 0 and smaller than the chunk length c = {chunk_len} "
+                f"(S/(2R) rows), got {name}={side}; a window that reaches past the neighbouring "
+                "chunk needs the all-gather path"
+            )
+    return int(left), int(right)
+
+
+def _slots(rank: int, n: int, c: int, left: int, right: int):
+    """[(global start, length, real)] of slots A, B, C, D for ``rank`` of ``n``."""
+    return [
+        ((rank - 1) * c + c - left, left, rank >= 1),  # A: tail of chunk r-1
+        ((rank + 1) * c, right, rank <= n - 2),  # B: head of chunk r+1
+        ((2 * n - 2 - rank) * c + c - left, left, rank <= n - 2),  # C: tail of chunk 2R-2-r
+        ((2 * n - rank) * c, right, rank >= 1),  # D: head of chunk 2R-r
+    ]
+
+
+def _slot_order(rank: int, n: int) -> tuple[int, ...]:
+    return (0, 3, 1, 2) if rank == n - 1 else (0, 1, 2, 3)
+
+
+def halo_positions(rank: int, num_ranks: int, chunk_len: int, left: int, right: int):
+    """numpy ``(positions int32 [L], valid bool [L])`` of rank ``rank``'s halo rows (the module
+    docstring's contract)."""
+    check_window(left, right, chunk_len, "halo_positions")
+    slots = _slots(rank, num_ranks, chunk_len, left, right)
+    pos: list[int | None] = []
+    valid: list[bool] = []
+    for s in _slot_order(rank, num_ranks):
+        start, length, real = slots[s]
+        pos.extend(range(start, start + length) if real else [None] * length)
+        valid.extend([real] * length)
+    first_real = next((i for i, v in enumerate(valid) if v), len(valid))
+    out = [
+        p if p is not None else (PAD_LOW + i if i < first_real else PAD_HIGH + i) for i, p in enumerate(pos)
+    ]
+    return np.asarray(out, np.int32), np.asarray(valid, bool)
+
+
+def _position_tables(n: int, c: int, left: int, right: int):
+    tables = [halo_positions(r, n, c, left, right) for r in range(n)]
+    return np.stack([t[0] for t in tables]), np.stack([t[1] for t in tables])
+
+
+# ---------------------------------------------------------------------------------------------
+# The owner's side: its four pieces out, their cotangents summed back in float32.
+
+
+def _pieces(x, c: int, left: int, right: int):
+    """``[tail of first chunk | head of first | tail of second | head of second]`` of a local
+    ``[B, 2c, ...]`` array, along axis 1."""
+    return (x[:, c - left : c], x[:, :right], x[:, 2 * c - left :], x[:, c : c + right])
+
+
+def _starts(c: int, left: int) -> tuple[int, int, int, int]:
+    return (c - left, 0, 2 * c - left, c)
+
+
+# The pieces' order in a packed array: per chunk ``[tail | head]`` for the all-gather (its chunk
+# layout), ``[to the next rank | to the previous]`` for the two permutes.
+GATHER_ORDER = (0, 1, 2, 3)
+PERMUTE_ORDER = (0, 3, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _pack(x, c: int, left: int, right: int, order: tuple[int, ...]):
+    """The four pieces in ``order``, concatenated along axis 1 (``2 * (left + right)`` rows)."""
+    pieces = _pieces(x, c, left, right)
+    return jnp.concatenate([pieces[i] for i in order], axis=1)
+
+
+def _pack_fwd(x, c, left, right, order):
+    return _pack(x, c, left, right, order), jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _pack_bwd(c, left, right, order, like, ct):
+    """Each piece's cotangent added into its rows in float32, in piece order, rounded once."""
+    sizes = [(left, right, left, right)[i] for i in order]
+    offsets = np.cumsum([0, *sizes])
+    at = {piece: (int(lo), size) for piece, lo, size in zip(order, offsets[:-1], sizes, strict=True)}
+    acc = jnp.zeros(like.shape, jnp.float32)
+    for piece, start in enumerate(_starts(c, left)):
+        lo, size = at[piece]
+        if size:
+            pad = [(0, 0)] * ct.ndim
+            pad[1] = (start, like.shape[1] - start - size)
+            acc = acc + jnp.pad(ct[:, lo : lo + size].astype(jnp.float32), pad)
+    return (acc.astype(like.dtype),)
+
+
+_pack.defvjp(_pack_fwd, _pack_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The receiving side: slots A-D in the rank's order, padding zeroed.
+
+
+def _arrange(slots, rank, n: int):
+    """``[A | B | C | D]``, or ``[A | D | B | C]`` on rank n-1."""
+    a, b, c_, d = slots
+    plain = jnp.concatenate((a, b, c_, d), axis=1)
+    last = jnp.concatenate((a, d, b, c_), axis=1)
+    return jnp.where(rank == n - 1, last, plain)
+
+
+def _from_neighbours(packed, axis_name: str, n: int, left: int, right: int):
+    """XLA transport: slots A-D from the two neighbours (zeros where there is none), from
+    ``packed`` in PERMUTE_ORDER: one permute to each neighbour."""
+    w = left + right
+    up = [(s, s + 1) for s in range(n - 1)]  # to the next rank: [tail of first | head of second]
+    down = [(s, s - 1) for s in range(1, n)]  # to the previous: [head of first | tail of second]
+    a, d = _split(jax.lax.ppermute(packed[:, :w], axis_name, up), (left, right))
+    b, c_ = _split(jax.lax.ppermute(packed[:, w:], axis_name, down), (right, left))
+    return a, b, c_, d
+
+
+def _split(x, sizes):
+    offsets = np.cumsum((0,) + tuple(sizes))
+    return tuple(x[:, int(lo) : int(hi)] for lo, hi in zip(offsets[:-1], offsets[1:], strict=True))
+
+
+def gathered_rows_per_chunk(c: int, left: int, right: int) -> int:
+    """Rows of each chunk the peer transport gathers: ``[tail | head]`` (``left + right``), or the
+    whole chunk (``c``) when the two overlap, so a rank never sends more than its own rows."""
+    return min(left + right, c)
+
+
+def _gather_pack(x, c: int, left: int, right: int):
+    """What the peer transport gathers of a local array: its two chunks' ``[tail | head]``, or
+    the whole array when tails and heads overlap (left + right >= c)."""
+    if left + right >= c:
+        return x
+    return _pack(x, c, left, right, GATHER_ORDER)
+
+
+def _from_gathered(gathered, rank, n: int, c: int, left: int, right: int):
+    """Peer transport: slots A-D taken from every rank's gathered rows (natural chunk order,
+    ``w = gathered_rows_per_chunk`` rows a chunk: ``[tail | head]``, or the whole chunk)."""
+    w = gathered_rows_per_chunk(c, left, right)
+    tail_at, head_at = (0, left) if w == left + right else (c - left, 0)
+
+    def take(chunk, offset, size, real):
+        start = jnp.clip(chunk, 0, 2 * n - 1) * w + offset
+        rows = jax.lax.dynamic_slice_in_dim(gathered, start, size, axis=1)
+        return jnp.where(real, rows, jnp.zeros_like(rows))
+
+    return (
+        take(rank - 1, tail_at, left, rank >= 1),
+        take(rank + 1, head_at, right, rank <= n - 2),
+        take(2 * n - 2 - rank, tail_at, left, rank <= n - 2),
+        take(2 * n - rank, head_at, right, rank >= 1),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The public calls.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    xs: tuple
+    rebuild: Any
+    n: int
+    c: int
+    left: int
+    right: int
+    spec: Any  # WorkspaceSpec or None
+
+
+def _as_tuple(xs):
+    if isinstance(xs, (tuple, list)):
+        if not xs:
+            raise ValueError(f"{_NAME}: got an empty {type(xs).__name__}")
+        return tuple(xs), type(xs)
+    return (xs,), lambda out: out[0]
+
+
+def _prepare(xs, axis_name, left, right, workspace, op: str) -> _Call:
+    arrays, rebuild = _as_tuple(xs)
+    n = api.axis_size(axis_name, op)
+    first = arrays[0]
+    for i, x in enumerate(arrays):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{_NAME}: argument {i} is not an array: {type(x).__name__}")
+        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in api.FLOAT_DTYPES]:
+            raise ValueError(
+                f"{_NAME}: argument {i} has dtype {x.dtype}; float32, bfloat16 and float16 are supported"
+            )
+        if x.shape != first.shape or x.dtype != first.dtype:
+            raise ValueError(
+                f"{_NAME}: all arrays must have the same shape and dtype: argument 0 is "
+                f"{first.dtype}{list(first.shape)}, argument {i} is {x.dtype}{list(x.shape)}"
+            )
+    if first.ndim < 2 or first.shape[1] % 2 or first.shape[1] == 0:
+        raise ValueError(
+            f"{_NAME}: arrays must be [B, T, ...] with the rank's two chunks along axis 1 (T even, "
+            f"> 0), got shape {list(first.shape)}"
+        )
+    c = first.shape[1] // 2
+    if 2 * n * c >= _MAX_SEQ:
+        raise ValueError(f"{_NAME}: the global sequence ({2 * n * c} rows) must be shorter than {_MAX_SEQ}")
+    left, right = check_window(left, right, c)
+    spec = api.spec_of(workspace, op)
+    if spec is not None:
+        rows = 2 * gathered_rows_per_chunk(c, left, right)
+        needed = len(arrays) * first.shape[0] * rows * int(np.prod(first.shape[2:])) * first.dtype.itemsize
+        if needed > spec.nbytes:
+            raise ValueError(
+                f"{_NAME}: this halo moves {needed} bytes per device through the all-gather but "
+                f"workspace '{spec.name}' holds {spec.nbytes}; attention_workspace_nbytes(key) is enough"
+            )
+        spec.check_call(axis_name, n, needed, op)
+    return _Call(arrays, rebuild, n, c, left, right, spec)
+
+
+def _run(call: _Call, axis_name: str, fn, args):
+    """(Halo, fn(*args)), fn beside the transfer where the transport can place it."""
+    n, c, left, right = call.n, call.c, call.left, call.right
+    length = halo_length(left, right)
+    pos_table, valid_table = _position_tables(n, c, left, right)
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    positions = jnp.asarray(pos_table)[rank]
+    valid = jnp.asarray(valid_table)[rank]
+    if length == 0 or n == 1:  # nothing to move: every row is padding
+        shape = lambda x: x.shape[:1] + (length,) + x.shape[2:]
+        rows = tuple(jnp.zeros(shape(x), x.dtype) for x in call.xs)
+        return Halo(call.rebuild(rows), positions, valid), fn(*args)
+    if call.spec is None:
+        packed = tuple(_pack(x, c, left, right, PERMUTE_ORDER) for x in call.xs)
+        y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
+        slots = [_from_neighbours(p, axis_name, n, left, right) for p in packed]
+    else:
+        packed = tuple(_gather_pack(x, c, left, right) for x in call.xs)
+        gathered, y = api.all_gather_overlapped(
+            packed, fn, *args, axis_name=axis_name, seq_axis=1, workspace=call.spec
+        )
+        slots = [_from_gathered(g, rank, n, c, left, right) for g in gathered]
+    rows = tuple(_arrange(s, rank, n) for s in slots)
+    return Halo(call.rebuild(rows), positions, valid), y
+
+
+def halo_exchange(xs, *, axis_name: str, left: int, right: int, workspace=None) -> Halo:
+    """The halo rows of a window ``(left, right)`` for this rank, inside ``jax.shard_map``.
+
+    ``xs``: one array or a tuple/list of same-shape arrays such as ``(k, v)``, each the rank's
+    local ``[B, T, ...]`` (chunks r and 2R-1-r along axis 1, T = 2c), float32, bfloat16 or
+    float16. ``left`` and ``right``: ints in ``[0, c)`` (``right = 0`` for causal windows).
+    Returns a :class:`Halo`: ``rows`` in the structure of ``xs``, each ``[B, 2 * (left + right),
+    ...]``, ``positions`` and ``valid`` as the module docstring specifies. Differentiable: the
+    VJP returns each halo row's cotangent to its owner, which adds it into its rows in float32.
+
+    ``workspace``: None for XLA collectives (``ppermute`` of the halo rows only), or a
+    ``Workspace`` (peer transport: an :func:`jax_cpgrad.all_gather` of every rank's
+    ``2 * min(left + right, c)`` edge rows, (R-1)x the ideal bytes, until a neighbour-only peer
+    op exists). Raises ValueError for bad windows, shapes, dtypes, an unbound axis, or a workspace
+    that is closed, of another axis, or too small.
+    """
+    call = _prepare(xs, axis_name, left, right, workspace, "halo_exchange")
+    halo, _ = _run(call, axis_name, lambda: None, ())
+    return halo
+
+
+def halo_exchange_overlapped(
+    xs, fn, *args, axis_name: str, left: int, right: int, workspace=None
+) -> tuple[Halo, Any]:
+    """``(halo_exchange(xs, ...), fn(*args))``, with ``fn``'s work run while the halo travels.
+
+    With a workspace made with ``overlap=True`` this is :func:`jax_cpgrad.all_gather_overlapped`
+    (``fn`` between the start and the done; in the backward pass ``fn``'s VJP beside the
+    ``grad_return``). With XLA collectives XLA's scheduler places the permutes around ``fn``.
+    ``fn`` must not need the halo.
+    """
+    if not callable(fn):
+        raise ValueError(f"{_NAME}_overlapped: fn must be callable, got {type(fn).__name__}")
+    call = _prepare(xs, axis_name, left, right, workspace, "halo_exchange_overlapped")
+    return _run(call, axis_name, fn, args)
+
+
+class HaloBytes(NamedTuple):
+    """Bytes one rank sends (and receives) per direction: in the forward pass for K and V, and
+    the same again in the backward pass for dK and dV. ``halo``: the halo exchange on the given
+    transport (an interior rank; ranks 0 and R-1 send half on the XLA transport); ``all_gather``:
+    the all-gather of all K/V it replaces, ``(R-1)/R x 2 x B x S x K x H x itemsize``."""
+
+    halo: int
+    all_gather: int
+
+
+def halo_transfer_nbytes(
+    batch: int,
+    seq: int,
+    num_ranks: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    left: int,
+    right: int,
+    transport: str,
+) -> HaloBytes:
+    """Bytes per rank per direction of the halo exchange of K and V, and of the all-gather it
+    replaces (:class:`HaloBytes`). ``transport``: ``"xla"`` (ppermute to the two neighbours:
+    ``2 x B x 2(left + right) x K x H x itemsize``) or ``"peer"`` (the all-gather of every rank's
+    edge rows to the R-1 others: ``(R-1) x 2 x B x 2 min(left + right, c) x K x H x itemsize``,
+    (R-1)x the XLA figure while ``left + right <= c``)."""
+    sizes = dict(batch=batch, seq=seq, num_ranks=num_ranks, kv_heads=kv_heads, head_dim=head_dim)
+    for name, value in {**sizes, "itemsize": itemsize}.items():
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"halo_transfer_nbytes: {name} must be an int >= 1, got {value!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"halo_transfer_nbytes: transport must be one of {TRANSPORTS}, got {transport!r}")
+    if seq % (2 * num_ranks):
+        raise ValueError(f"halo_transfer_nbytes: seq ({seq}) must be a multiple of 2 x num_ranks")
+    left, right = check_window(left, right, seq // (2 * num_ranks), "halo_transfer_nbytes")
+    row = batch * kv_heads * head_dim * itemsize
+    r = num_ranks
+    if r == 1:
+        halo = 0
+    elif transport == "xla":
+        halo = 2 * halo_length(left, right) * row  # K and V, left + right rows to each neighbour
+    else:  # K and V, the rank's gathered rows to each of the R-1 others
+        halo = (r - 1) * 2 * 2 * gathered_rows_per_chunk(seq // (2 * r), left, right) * row
+    return HaloBytes(halo=halo, all_gather=(r - 1) * 2 * (seq // r) * row)
