@@ -1,4 +1,5 @@
 """The physical ceiling of a CP gradient return or gather on the GPUs of a workspace.
+The ceiling column of grad_return.py's tables (the results' finding 1); not run alone.
 
 Every GPU pushes its bytes to every peer at once (the transfer part), then the owner's local
 memory traffic runs at device-copy speed (the accumulation of grad_return, the layout of
@@ -94,7 +95,7 @@ def push_ceiling(ws, bytes_per_peer: int, iters: int, reps: int, *, bench=None, 
     targets = list(ws._push_targets())
     check_cross_gpu(targets)
     if not any(peers for *_, peers in targets):
-        raise ValueError("push ceiling refused: the workspace has no peers (N = 1)")
+        raise ValueError("push ceiling refused: the workspace has no peers (R = 1)")
     slot_bytes = getattr(ws, "slot_bytes", None)
     if slot_bytes is not None and bytes_per_peer > slot_bytes:
         raise ValueError(
@@ -119,12 +120,12 @@ def local_copy_bytes(op: str, n: int, local_bytes: int, tensors: int) -> int:
     """Bytes of the plain device copy whose memory traffic equals the owner's local work.
 
     A copy of B bytes reads B and writes B: 2B of traffic.
-    - grad_return: the accumulation reads N contributions of local_bytes per tensor (its own from
-      the input, N-1 from the slots) and writes one output: (N+1) * local_bytes * tensors of
+    - grad_return: the accumulation reads R contributions of local_bytes per tensor (its own from
+      the input, R-1 from the slots) and writes one output: (R+1) * local_bytes * tensors of
       traffic, i.e. a copy of half that.
-    - all_gather: the layout reads N pieces of local_bytes per tensor (its own from the input,
-      N-1 from the slots) and writes all N into the global output: 2 * N * local_bytes * tensors
-      of traffic, i.e. a copy of N * local_bytes * tensors (the global bytes).
+    - all_gather: the layout reads R pieces of local_bytes per tensor (its own from the input,
+      R-1 from the slots) and writes all R into the global output: 2 * R * local_bytes * tensors
+      of traffic, i.e. a copy of R * local_bytes * tensors (the global bytes).
     """
     if op == "grad_return":
         return (n + 1) * local_bytes * tensors // 2

@@ -1,4 +1,5 @@
 """Per-call latency of the device protocol on real GPUs without XLA, and its launch shapes.
+Makes the results' finding 2 (the device protocol's kernel alone).
 
 Every local GPU is a rank of one process (peer access). `--calls` fused calls run back to back on
 each GPU, recorded into one CUDA graph per GPU (what XLA's command buffers do) and, for
@@ -64,7 +65,7 @@ def main() -> None:
         raise SystemExit(f"--ranks {counts}: this process sees {len(gpus)} GPU(s)")
     rows = []
     print(
-        f"{'N':>2} {'op':>11} {'size':>5} {'shape':>9} {'launch':>6} {'kernel':>6} "
+        f"{'R':>2} {'op':>11} {'size':>5} {'shape':>9} {'launch':>6} {'kernel':>6} "
         f"{'us/call':>8} {'min-max':>13}  tile,tiles,blocks,push,finish"
     )
     for n in counts:

@@ -1,21 +1,27 @@
-"""A whole context-parallel training step, timed end to end: a stack of transformer layers with
-jax_cpgrad's CP attention layer, bf16, forward and full backward, with the K/V gather and the
-dK/dV return on each transport side by side (same parameters, same data).
+"""A whole context-parallel training step, timed end to end: the package's transformer layers
+(``jax_cpgrad.models.transformer``) with jax_cpgrad's CP attention layer, forward and full
+backward, with the K/V gather and the dK/dV return on each transport side by side (same
+parameters, same data). Makes the results' training-step tables ("CP training steps on 2 H200s",
+"Overlap on one H200", the layer's steps at R = 1: ``*_cp_step_*`` in benchmarks/results/).
 
     python benchmarks/cp_step.py --seq 8k 16k --hidden 2048 --kv-heads mha 4 --transport xla peer none
     python -m jax_cpgrad.launch -n 2 benchmarks/cp_step.py ...      # one process per GPU
     python benchmarks/cp_step.py --cpu --seq 256 --hidden 64 --heads 4 --layers 2   # CPU smoke run
     python benchmarks/cp_step.py --precision --seq 4k --hidden 1024 --heads 8       # errors vs fp32
+    python benchmarks/cp_step.py --layers 4 --local-window-size 4096 4096 4096 none  # 3 local : 1 global
 
-Layout: CP rank r of N holds sequence chunks r and 2N-1-r (S/(2N) tokens each). Each layer:
-RMSNorm, Q/K/V projections (MHA or GQA), causal attention with
-``jax_cpgrad.dot_product_attention(q, k, v, axis_name="cp", workspace=ws, implementation=...)``
-(it gathers K and V itself, runs the local part of the attention while they travel, and returns
-dK/dV to their owners in its VJP: the ops this measures; --implementation cudnn|xla), output
-projection, residual, RMSNorm, GELU MLP, residual. Loss: mean of squares of the final hidden
-state. Parameters are float32 master weights used in --dtype (bf16); ``jax.value_and_grad`` over
-all of them inside ``jax.shard_map`` over the 1-D mesh axis "cp", one jitted step returning loss
-and grads.
+Layout: CP rank r of R holds sequence chunks r and 2R-1-r (S/(2R) tokens each). The model is
+``transformer.apply_layers`` on random hidden states (no embedding or vocabulary head: the layers
+are what is timed): per layer RMSNorm, Q/K/V projections (N query heads, K key/value heads: MHA or
+GQA), causal attention with ``jax_cpgrad.dot_product_attention(q, k, v, axis_name="cp",
+workspace=ws, implementation=..., head_groups=..., **the layer's options)`` (it gathers K and V
+itself, runs the local part of the attention while they travel, and returns dK/dV to their
+owners in its VJP: the ops this measures), output projection, residual, RMSNorm, GELU MLP,
+residual. ``--local-window-size`` gives each layer its window (cycled over the layers; ``none``:
+a global layer), passed through as the layer's ``local_window_size``. Loss: mean of squares of
+the final hidden state. Parameters are float32 master weights used in --dtype (bf16);
+``jax.value_and_grad`` over all of them inside ``jax.shard_map`` over the 1-D mesh axis "cp", one
+jitted step returning loss and grads.
 
 Transports: ``xla`` (no workspace: XLA collectives, i.e. NCCL on GPUs), ``peer`` (a
 ``jax_cpgrad.Workspace``; --protocol, several protocols give one row each: by default the plain
@@ -24,25 +30,26 @@ calls and the overlapped pairs, whose transfers run beside the local part of the
 place of every transfer). Communication share = step(transport) - step(none). Per config and
 transport: median step time and spread, tokens/s, XLA's memory estimate for the step and the
 device's peak bytes, the workspace's own bytes. Before timing, the layer is checked against
-``jax.nn.dot_product_attention`` at a small size (--no-attention-check skips it).
+``jax.nn.dot_product_attention`` at a small size (--no-attention-check skips it). The JSON rows
+name the config as the command line does (hidden, head_dim, ffn, seq; ``n`` is R), as in every
+recorded run.
 
-At N = 1 the layer would skip its transfer (one attention call); this benchmark turns that off
+At R = 1 the layer would skip its transfer (one attention call); this benchmark turns that off
 (``jax_cpgrad.attention.layer.SKIP_TRANSFER_WHEN_ALONE``, the tests' hook) so that the rows of
 one GPU still time the transfer path, a rank gathering from itself. ``rank_without_transfer``
-does not follow that switch: at N = 1 the ``none`` row is one attention call, not the split.
+does not follow that switch: at R = 1 the ``none`` row is one attention call, not the split.
 
 --precision: instead of timing, one step of a small config per transport in --dtype against the
 same model unsharded on one device in float32 (``jax.nn.dot_product_attention``, XLA): errors of
 the loss, of dK/dV as they arrive at the owner (the gradient w.r.t. probes added to the local K
-and V) and of the parameter gradients. The dK/dV return alone (what a rank hands to
-``grad_return``) is no longer measured: the gather and the return happen inside the layer.
+and V, ``apply_layers(kv_probes=...)``) and of the parameter gradients.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP (multicast) off: see KINDS.md
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (NVLS) on the shared GPU machines
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -66,6 +73,8 @@ from workspace_options import workspace_options  # noqa: E402
 import jax_cpgrad as cpg  # noqa: E402
 from jax_cpgrad import launch  # noqa: E402
 from jax_cpgrad.attention import layer as attention_layer, rank_without_transfer  # noqa: E402
+from jax_cpgrad.models import transformer  # noqa: E402
+from jax_cpgrad.models.transformer import Config  # noqa: E402
 
 AXIS = "cp"
 ENV_RECORDED = ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_PREALLOCATE")  # into the JSON
@@ -76,36 +85,64 @@ GRADIENT_NAMES = ("out", "dq", "dk", "dv")
 
 # -- configuration ---------------------------------------------------------------------------
 
+# The JSON rows' names for the model's Config fields (the command line's, as in every recorded run).
+ROW_FIELDS = {
+    "layers": "layers",
+    "hidden": "d_model",
+    "heads": "heads",
+    "kv_heads": "kv_heads",
+    "head_dim": "d_head",
+    "ffn": "d_ff",
+    "seq": "seq_len",
+    "batch": "batch",
+    "dtype": "dtype",
+    "implementation": "implementation",
+    "head_groups": "head_groups",
+    "layer_attention": "layer_attention",
+}
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    seq: int
-    batch: int = 1
-    dtype: str = "bfloat16"  # activations, K/V and their gradients; parameters stay float32
-    implementation: str = "xla"  # the layer's kernels: cudnn | xla
-    head_groups: int = 1  # the layer's transfer pipelined over this many groups of K/V heads
 
-    def local_kv(self, n: int) -> jax.ShapeDtypeStruct:
-        """One layer's local K (or V) on a rank."""
-        return jax.ShapeDtypeStruct((self.batch, self.seq // n, self.kv_heads, self.head_dim), self.dtype)
+def model_config(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    seq: int,
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    implementation: str = "xla",
+    head_groups: int = 1,
+    layer_attention=(),
+) -> Config:
+    """The package model's Config from the benchmark's names (a JSON row's, the command line's)."""
+    fields = {ROW_FIELDS[k]: v for k, v in dict(locals()).items()}
+    return Config(**{**fields, "layer_attention": tuple(layer_attention)})
 
-    def workspace_nbytes(self, n: int) -> int:
-        """The workspace capacity: one layer's local K and V (one workspace serves all layers)."""
-        return cpg.attention_workspace_nbytes(self.local_kv(n))
 
-    def label(self) -> str:
-        kv = "MHA" if self.kv_heads == self.heads else f"GQA{self.kv_heads}"
-        groups = f" G={self.head_groups}" if self.head_groups > 1 else ""
-        return (
-            f"S={human_tokens(self.seq)} h={self.hidden} {self.heads}x{self.head_dim} {kv} "
-            f"{self.implementation}{groups}"
-        )
+def describe(cfg: Config) -> dict:
+    """cfg under the benchmark's names: the start of a JSON row (``model_config`` inverts it)."""
+    out = {row: getattr(cfg, field) for row, field in ROW_FIELDS.items()}
+    out["kv_heads"], out["layer_attention"] = cfg.num_kv_heads, list(cfg.layer_attention)
+    return out
+
+
+def label(cfg: Config) -> str:
+    kv = "MHA" if cfg.num_kv_heads == cfg.heads else f"GQA{cfg.num_kv_heads}"
+    groups = f" G={cfg.head_groups}" if cfg.head_groups > 1 else ""
+    windows = [o.get("local_window_size") for o in cfg.layer_attention]
+    local = f" win={'/'.join(human_tokens(w) if w else 'g' for w in windows)}" if any(windows) else ""
+    return (
+        f"S={human_tokens(cfg.seq_len)} h={cfg.d_model} {cfg.heads}x{cfg.d_head} {kv} "
+        f"{cfg.implementation}{groups}{local}"
+    )
+
+
+def workspace_nbytes(cfg: Config, ranks: int) -> int:
+    """The workspace capacity: one layer's local K and V (one workspace serves all layers)."""
+    return cpg.attention_workspace_nbytes(cfg.local_kv(ranks))
 
 
 def parse_tokens(text: str) -> int:
@@ -118,48 +155,26 @@ def human_tokens(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}k" if n % (1 << 10) == 0 else str(n)
 
 
-def param_specs(cfg: Config) -> list[dict]:
-    """Per layer: name -> (shape, init scale; None means ones)."""
-    h, qd, kd = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    return [
-        {
-            "norm1": ((h,), None),
-            "wq": ((h, qd), h**-0.5),
-            "wk": ((h, kd), h**-0.5),
-            "wv": ((h, kd), h**-0.5),
-            "wo": ((qd, h), qd**-0.5),
-            "norm2": ((h,), None),
-            "w1": ((h, cfg.ffn), h**-0.5),
-            "w2": ((cfg.ffn, h), cfg.ffn**-0.5),
-        }
-        for _ in range(cfg.layers)
-    ]
-
-
 def init_params_numpy(cfg: Config, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    make = lambda shape, scale: (
-        np.ones(shape, np.float32)
-        if scale is None
-        else (rng.standard_normal(shape) * scale).astype(np.float32)
-    )
-    return [{name: make(*spec) for name, spec in layer.items()} for layer in param_specs(cfg)]
+    """The model's layers as the package draws them (``transformer.init_params``), as numpy."""
+    return jax.tree.map(np.asarray, transformer.init_params(cfg, seed)["layers"])
 
 
 def init_params_device(mesh, cfg: Config, seed: int):
-    """Random parameters generated on the devices, replicated (any process count, no host copy)."""
-    specs = param_specs(cfg)
+    """Random layers (``transformer.layer_param_shapes``) generated on the devices, replicated (any
+    process count, no host copy)."""
+    shapes = transformer.layer_param_shapes(cfg)
 
     def make(key):
         out = []
-        for i, layer in enumerate(specs):
-            keys = jax.random.split(jax.random.fold_in(key, i), len(layer))
+        for i in range(cfg.layers):
+            keys = jax.random.split(jax.random.fold_in(key, i), len(shapes))
             out.append(
                 {
                     name: jnp.ones(shape, jnp.float32)
                     if scale is None
                     else jax.random.normal(k, shape, jnp.float32) * scale
-                    for k, (name, (shape, scale)) in zip(keys, layer.items(), strict=True)
+                    for k, (name, (shape, scale)) in zip(keys, shapes.items(), strict=True)
                 }
             )
         return out
@@ -167,43 +182,26 @@ def init_params_device(mesh, cfg: Config, seed: int):
     return jax.jit(make, out_shardings=NamedSharding(mesh, P()))(jax.random.key(seed))
 
 
-# -- the model ---------------------------------------------------------------------------------
-
-
-def rms_norm(x, scale):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+# -- the model: the package's layers, this benchmark's loss ------------------------------------
 
 
 def forward_loss_sum(params, x, probes, cfg: Config, attend):
     """Sum of squares of the final hidden state of the given (local) tokens, float32.
 
-    attend(q, k, v) -> [B, s, H, D]: the attention of these tokens. probes: per layer (pk, pv)
-    zeros added to the local K and V after the projection (their gradient is dK/dV as the owner
-    gets it), or empty.
+    attend(q, k, v, **options) -> [B, T, N, H]: the attention of these tokens. probes: per layer
+    (pk, pv) zeros added to the local K and V after the projection (their gradient is dK/dV as the
+    owner gets it), or empty.
     """
-    dt = jnp.dtype(cfg.dtype)
-    b, s, _ = x.shape
-    project = lambda h, w, heads: (h @ w.astype(dt)).reshape(b, s, heads, cfg.head_dim)
-    for i, p in enumerate(params):
-        h = rms_norm(x, p["norm1"])
-        q = project(h, p["wq"], cfg.heads)
-        k, v = project(h, p["wk"], cfg.kv_heads), project(h, p["wv"], cfg.kv_heads)
-        if probes:
-            k, v = k + probes[i][0], v + probes[i][1]
-        x = x + attend(q, k, v).reshape(b, s, -1) @ p["wo"].astype(dt)
-        h = rms_norm(x, p["norm2"])
-        x = x + jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)
+    x = transformer.apply_layers(params, x, cfg, attend, kv_probes=probes)
     return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
 def loss_count(cfg: Config) -> int:
-    return cfg.batch * cfg.seq * cfg.hidden
+    return cfg.batch * cfg.seq_len * cfg.d_model
 
 
-def reference_attention(q, k, v):
-    """Unsharded causal attention (natural order), XLA."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+reference_attention = functools.partial(transformer.unsharded_attention, implementation="xla")
+reference_attention.__doc__ = "Unsharded causal attention (natural order), XLA."
 
 
 def reference_loss_and_grads(params, x, probes, cfg: Config):
@@ -216,20 +214,17 @@ def reference_loss_and_grads(params, x, probes, cfg: Config):
     return jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(params, probes)
 
 
-def make_attention(transport: str, n: int, workspace, implementation: str, head_groups: int = 1):
-    """attend(q, k, v) of one rank inside the step's shard_map: the layer on the transport, or
-    (`none`) the same attention without communication."""
+def make_attention(transport: str, ranks: int, workspace, cfg: Config):
+    """attend(q, k, v, **options) of one rank inside the step's shard_map: the layer on the
+    transport, or (`none`) the same attention without communication."""
+    common = dict(implementation=cfg.implementation, head_groups=cfg.head_groups)
     if transport == "none":
-        return lambda q, k, v: rank_without_transfer(
-            q, k, v, jax.lax.axis_index(AXIS), n, implementation=implementation, head_groups=head_groups
+        return lambda q, k, v, **options: rank_without_transfer(
+            q, k, v, jax.lax.axis_index(AXIS), ranks, **common, **options
         )
     ws = workspace if transport == "peer" else None
-    return functools.partial(
-        cpg.dot_product_attention,
-        axis_name=AXIS,
-        workspace=ws,
-        implementation=implementation,
-        head_groups=head_groups,
+    return lambda q, k, v, **options: cpg.dot_product_attention(
+        q, k, v, axis_name=AXIS, workspace=ws, **common, **options
     )
 
 
@@ -237,14 +232,14 @@ def make_step(cfg: Config, mesh, transport: str, workspace=None):
     """jit(shard_map(step)): step(params, x, probes) -> (mean loss, parameter grads, probe grads).
 
     params replicated; x [B, S, hidden] in CP layout sharded on dim 1. The probes (zeros) only
-    serve --precision; the timing passes []. probes: per layer (pk, pv) [B, S, Hk, D] in CP
+    serve --precision; the timing passes []. probes: per layer (pk, pv) [B, S, K, H] in CP
     layout sharded on dim 1 (gradient: dK/dV of the local keys, as their owner gets them).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "peer" and workspace is None:
         raise ValueError("the peer transport needs a workspace")
-    attend = make_attention(transport, mesh.shape[AXIS], workspace, cfg.implementation, cfg.head_groups)
+    attend = make_attention(transport, mesh.shape[AXIS], workspace, cfg)
 
     def body(params, x, probes):
         def local_loss(p, pr):  # this rank's share of the global mean
@@ -281,7 +276,7 @@ def place(mesh, array: np.ndarray, spec):
 def random_hidden(mesh, cfg: Config, seed: int):
     """Random input hidden states [B, S, hidden] generated on the devices, sharded on the sequence
     (values do not matter for timing; any process count)."""
-    shape, dt = (cfg.batch, cfg.seq, cfg.hidden), jnp.dtype(cfg.dtype)
+    shape, dt = (cfg.batch, cfg.seq_len, cfg.d_model), jnp.dtype(cfg.dtype)
     make = lambda key: jax.random.normal(key, shape, jnp.float32).astype(dt)
     return jax.jit(make, out_shardings=NamedSharding(mesh, P(None, AXIS)))(jax.random.key(seed + 1))
 
@@ -411,7 +406,7 @@ def _parse(argv):
     p.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
     p.add_argument("--seq", nargs="+", default=["8k"], help="global sequence lengths (8k, 16k, 1M, ...)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--n", type=int, default=None, help="CP size (default: every device)")
+    p.add_argument("--n", type=int, default=None, help="R, the CP size (default: every device)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--transport",
@@ -439,6 +434,13 @@ def _parse(argv):
         type=int,
         default=1,
         help="the layer's transfer pipelined over this many groups of key/value heads (must divide them)",
+    )
+    p.add_argument(
+        "--local-window-size",
+        nargs="+",
+        default=None,
+        help="per layer, cycled over the layers: a sliding window (the layer's local_window_size) or "
+        "'none' (a global causal layer); e.g. 4096 4096 4096 none. Default: every layer global",
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -477,8 +479,24 @@ def _parse(argv):
     return opts
 
 
+def layer_attention(windows) -> tuple[dict, ...]:
+    """--local-window-size's words as the model's per-layer attention options."""
+    if not windows:
+        return ()
+    out = []
+    for w in windows:
+        if str(w).lower() in ("none", "global"):
+            out.append({})
+        elif str(w).isdigit() and int(w) > 0:
+            out.append({"local_window_size": int(w)})
+        else:
+            raise SystemExit(f"--local-window-size {w}: a positive int or 'none'")
+    return tuple(out)
+
+
 def configs(opts, on_gpu: bool) -> list[Config]:
     implementation = opts.implementation or ("cudnn" if on_gpu and opts.dtype == "bfloat16" else "xla")
+    options = layer_attention(opts.local_window_size)
     out = []
     for seq_text in opts.seq:  # sequence outermost: a time budget cuts the longest ones
         for hidden in opts.hidden:
@@ -496,7 +514,7 @@ def configs(opts, on_gpu: bool) -> list[Config]:
                         f"--head-groups {opts.head_groups}: must divide the {kv} key/value heads"
                     )
                 out.append(
-                    Config(
+                    model_config(
                         layers=opts.layers,
                         hidden=hidden,
                         heads=heads,
@@ -508,6 +526,7 @@ def configs(opts, on_gpu: bool) -> list[Config]:
                         dtype=opts.dtype,
                         implementation=implementation,
                         head_groups=opts.head_groups,
+                        layer_attention=options,
                     )
                 )
     return out
@@ -548,19 +567,19 @@ def _hlo_path(opts, cfg: Config, transport: str) -> str | None:
     """--hlo: the compiled step's text goes next to the JSON, one file per config and transport."""
     if not opts.hlo:
         return None
-    name = f"{cfg.label()}_{transport}".replace(" ", "_").replace("=", "").replace("+", "_")
+    name = f"{label(cfg)}_{transport}".replace(" ", "_").replace("=", "").replace("+", "_")
     return os.path.join(os.path.dirname(os.path.abspath(opts.json)), f"hlo_{name}.txt")
 
 
 def _row(cfg: Config, n: int, transport: str, protocol: str | None, **fields) -> dict:
-    """The start of one result row: the config, N, the row's transport name and protocol."""
-    return {**dataclasses.asdict(cfg), "n": n, "transport": transport, "protocol": protocol, **fields}
+    """The start of one result row: the config, R (as ``n``), the row's transport name and protocol."""
+    return {**describe(cfg), "n": n, "transport": transport, "protocol": protocol, **fields}
 
 
 def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
     n = mesh.shape[AXIS]
-    if cfg.seq % (2 * n):
-        raise ValueError(f"sequence {cfg.seq} is not divisible by 2N = {2 * n}")
+    if cfg.seq_len % (2 * n):
+        raise ValueError(f"sequence {cfg.seq_len} is not divisible by 2R = {2 * n}")
     params = init_params_device(mesh, cfg, opts.seed)
     x = random_hidden(mesh, cfg, opts.seed)
     rows, none_s = [], None
@@ -570,14 +589,14 @@ def run_config(cfg: Config, mesh, transports, opts, say) -> list[dict]:
             n,
             name,
             protocol,
-            tokens_per_step=cfg.batch * cfg.seq,
+            tokens_per_step=cfg.batch * cfg.seq_len,
             workspace_nbytes=None,
             workspace_bytes_per_device=None,
         )
         ws = None
         try:
             if transport == "peer":
-                row["workspace_nbytes"] = cfg.workspace_nbytes(n)
+                row["workspace_nbytes"] = workspace_nbytes(cfg, n)
                 ws = make_workspace(mesh, row["workspace_nbytes"], protocol)
                 row["workspace_bytes_per_device"] = int(ws.bytes_per_device)
                 spec = getattr(ws, "spec", None)  # what "auto" chose, where this jax_cpgrad tells
@@ -637,8 +656,8 @@ def format_profile(prof) -> str:
 
 
 def format_row(row: dict) -> str:
-    cfg = Config(**{f.name: row[f.name] for f in dataclasses.fields(Config)})
-    head = f"{cfg.label():<40} | {row['transport']:<11}"
+    cfg = model_config(**{k: row[k] for k in ROW_FIELDS if k in row})
+    head = f"{label(cfg):<40} | {row['transport']:<11}"
     if "error" in row:
         return f"{head} FAILED: {row['error'].splitlines()[0][:200]}"
     gib = lambda b: f"{b / 2**30:.1f}" if b else "-"
@@ -661,18 +680,22 @@ def _out_and_grads(attend, q, k, v, ct):
     return (out, *vjp(ct))
 
 
-def check_layer(mesh, cfg: Config, chunk: int = 64, seed: int = 0) -> dict:
-    """The layer (XLA collectives; cfg's implementation, dtype and heads) on every rank of the mesh
-    at S = 2N x chunk against float32 ``jax.nn.dot_product_attention`` on the same rounded
-    inputs: the largest error of the output and of dq, dk, dv (random output cotangent),
-    relative to the reference's largest magnitude. On a GPU this catches a wrong cuDNN path
-    before anything is timed."""
-    n, rng = mesh.shape[AXIS], np.random.default_rng(seed)
-    q_shape = (1, 2 * n * chunk, cfg.heads, cfg.head_dim)
-    kv_shape = (*q_shape[:2], cfg.kv_heads, cfg.head_dim)
+def check_layer(mesh, cfg: Config, chunk: int = 64, seed: int = 0, options=None) -> dict:
+    """The layer (XLA collectives; cfg's implementation, dtype and heads, a layer's ``options``) on
+    every rank of the mesh at S = 2R x chunk against float32 ``jax.nn.dot_product_attention`` on
+    the same rounded inputs: the largest error of the output and of dq, dk, dv (random output
+    cotangent), relative to the reference's largest magnitude. On a GPU this catches a wrong cuDNN
+    path before anything is timed."""
+    n, rng, options = mesh.shape[AXIS], np.random.default_rng(seed), options or {}
+    q_shape = (1, 2 * n * chunk, cfg.heads, cfg.d_head)
+    kv_shape = (*q_shape[:2], cfg.num_kv_heads, cfg.d_head)
     inputs = [rounded(rng.standard_normal(s), cfg.dtype) for s in (q_shape, kv_shape, kv_shape, q_shape)]
-    ref = jax.jit(functools.partial(_out_and_grads, reference_attention))(*inputs)
-    layer = functools.partial(cpg.dot_product_attention, axis_name=AXIS, implementation=cfg.implementation)
+    ref = jax.jit(functools.partial(_out_and_grads, functools.partial(reference_attention, **options)))(
+        *inputs
+    )
+    layer = functools.partial(
+        cpg.dot_product_attention, axis_name=AXIS, implementation=cfg.implementation, **options
+    )
     spec = P(None, AXIS)
     run = jax.jit(
         jax.shard_map(functools.partial(_out_and_grads, layer), mesh=mesh, in_specs=spec, out_specs=spec)
@@ -683,16 +706,20 @@ def check_layer(mesh, cfg: Config, chunk: int = 64, seed: int = 0) -> dict:
 
 
 def attention_checks(cfgs, mesh, say) -> dict:
-    """check_layer once per implementation for MHA and for GQA (the first config of each), before
-    anything is timed; every process takes part (the layer runs on the whole mesh)."""
+    """check_layer once per implementation for MHA and for GQA (the first config of each) and per
+    distinct layer options, before anything is timed; every process takes part (the layer runs on
+    the whole mesh)."""
     out, seen = {}, set()
-    for cfg in cfgs:
-        if (cfg.implementation, cfg.kv_heads == cfg.heads) in seen:
+    todo = [(c, o) for c in cfgs for o in (c.layer_attention or ({},))]
+    for cfg, options in todo:
+        what = (cfg.implementation, cfg.num_kv_heads == cfg.heads, tuple(sorted(options.items())))
+        if what in seen:
             continue
-        seen.add((cfg.implementation, cfg.kv_heads == cfg.heads))
-        key = f"{cfg.implementation} H={cfg.heads} Hk={cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+        seen.add(what)
+        key = f"{cfg.implementation} N={cfg.heads} K={cfg.num_kv_heads} H={cfg.d_head} {cfg.dtype}"
+        key += "".join(f" {k}={v}" for k, v in sorted(options.items()))
         try:
-            errs: dict = check_layer(mesh, cfg)
+            errs: dict = check_layer(mesh, cfg, options=options)
             errs["ok"] = max(errs.values()) < 0.05  # bf16 inputs and outputs: a few 1e-3 expected
             say(
                 f"attention check {key}: max error relative to max |ref|: "
@@ -708,10 +735,8 @@ def attention_checks(cfgs, mesh, say) -> dict:
 
 def run_timing(opts, mesh, say, meta) -> list[dict]:
     on_gpu = mesh.devices.flat[0].platform == "gpu"
-    from jax_cpgrad._native import HAS_CUDA
-
     cfgs = configs(opts, on_gpu)
-    transports = transports_to_run(opts, on_gpu, HAS_CUDA, say)
+    transports = transports_to_run(opts, on_gpu, cpg.HAS_CUDA, say)
     meta["transports"] = [t[0] for t in transports]
     if not opts.no_attention_check:
         meta["attention_check"] = attention_checks(cfgs, mesh, say)
@@ -726,7 +751,7 @@ def run_timing(opts, mesh, say, meta) -> list[dict]:
     for i, cfg in enumerate(cfgs):  # the budget counts from the start of the script
         over = opts.time_budget_s is not None and time.perf_counter() - start > opts.time_budget_s
         if _collective_flag(over):
-            meta["skipped_configs"] = [dataclasses.asdict(c) for c in cfgs[i:]]
+            meta["skipped_configs"] = [describe(c) for c in cfgs[i:]]
             say(f"time budget of {opts.time_budget_s:.0f} s spent: {len(cfgs) - i} config(s) not started")
             break
         rows += run_config(cfg, mesh, transports, opts, say)
@@ -764,7 +789,9 @@ def precision_reference(cfg: Config, seed: int):
     """Host inputs (parameters, natural-order x rounded to the run's dtype: only the computation's
     errors count) and the float32 unsharded model's (loss, parameter grads, [dK, dV])."""
     params = init_params_numpy(cfg, seed)
-    x = rounded(np.random.default_rng(seed + 1).standard_normal((cfg.batch, cfg.seq, cfg.hidden)), cfg.dtype)
+    x = rounded(
+        np.random.default_rng(seed + 1).standard_normal((cfg.batch, cfg.seq_len, cfg.d_model)), cfg.dtype
+    )
     zeros = [(np.zeros(cfg.local_kv(1).shape, np.float32),) * 2] * cfg.layers  # the global K's shape
     put = functools.partial(jax.device_put, device=jax.local_devices()[0])
     f32 = dataclasses.replace(cfg, dtype="float32")
@@ -780,7 +807,7 @@ def precision_row(cfg: Config, mesh, inputs, ref, name: str, transport: str, pro
     row = _row(cfg, n, name, protocol, reference_loss=ref_loss)
     zeros = to_cp(mesh, np.zeros(cfg.local_kv(1).shape, np.float32), cfg.dtype)  # the global K's shape
     probes = [(zeros, zeros)] * cfg.layers
-    ws = make_workspace(mesh, cfg.workspace_nbytes(n), protocol) if transport == "peer" else None
+    ws = make_workspace(mesh, workspace_nbytes(cfg, n), protocol) if transport == "peer" else None
     try:
         step = make_step(cfg, mesh, transport, ws)
         loss, grads, probe_grads = step(
@@ -810,13 +837,11 @@ def run_precision(opts, mesh, say, meta) -> list[dict]:
     float32 on one device: errors of the loss, of dK/dV as the owners get them and of the
     parameter gradients; and how far apart the transports' dK/dV are."""
     on_gpu = mesh.devices.flat[0].platform == "gpu"
-    from jax_cpgrad._native import HAS_CUDA
-
     n = mesh.shape[AXIS]
     cfg = configs(opts, on_gpu)[0]
-    transports = [t for t in transports_to_run(opts, on_gpu, HAS_CUDA, say) if t[1] != "none"]
+    transports = [t for t in transports_to_run(opts, on_gpu, cpg.HAS_CUDA, say) if t[1] != "none"]
     meta["transports"] = [t[0] for t in transports]
-    say(f"precision: {cfg.label()}, {cfg.layers} layer(s), {cfg.dtype} on N={n} vs float32 unsharded")
+    say(f"precision: {label(cfg)}, {cfg.layers} layer(s), {cfg.dtype} on R={n} vs float32 unsharded")
     inputs, ref = precision_reference(cfg, opts.seed)
     rows, first = [], None
     for name, transport, protocol in transports:
@@ -864,8 +889,8 @@ def print_precision(rows: list[dict], ref_loss: float, n: int, say) -> None:
     )
     if n == 2:
         say(
-            "note: with N=2 each dK/dV sum has two terms, exact in float32, so one bf16 add and a float32 "
-            "add rounded once agree: the transports can differ only from N=3 on"
+            "note: with R=2 each dK/dV sum has two terms, exact in float32, so one bf16 add and a float32 "
+            "add rounded once agree: the transports can differ only from R=3 on"
         )
 
 
@@ -910,7 +935,7 @@ def write_png(path: str, meta: dict, rows: list[dict]) -> None:
         ax.set_xlabel("global sequence length (tokens)")
         ax.set_ylabel("median step time (ms)")
         ax.set_title(
-            f"h={hidden} H={heads} Hk={kv} {implementation}, {layers} layers, N={meta['n']}", fontsize=9
+            f"h={hidden} N={heads} K={kv} {implementation}, {layers} layers, R={meta['n']}", fontsize=9
         )
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -961,13 +986,13 @@ def main(argv=None) -> int:
         "env": {k: os.environ.get(k) for k in ENV_RECORDED},
     }
     say(
-        f"cp_step: N={n} on {devices[0].device_kind} ({jax.process_count()} process(es)), "
+        f"cp_step: R={n} on {devices[0].device_kind} ({jax.process_count()} process(es)), "
         f"jax {jax.__version__}"
     )
     if n == 1:  # the module docstring says why
         attention_layer.SKIP_TRANSFER_WHEN_ALONE = False
         say(
-            "N=1: the layer's transfer path is forced (a rank gathers from itself); "
+            "R=1: the layer's transfer path is forced (a rank gathers from itself); "
             "`none` is one attention call"
         )
     meta["transfer_at_n1"] = n == 1

@@ -1,5 +1,6 @@
 """grad_return and all_gather side by side: the peer transport (each workspace protocol) vs bare NCCL
 vs NCCL with symmetric-memory kernels vs the reorder + collective recipe vs the ceiling, in one run.
+Makes the README's "When to use it" table and the results' findings 1 and 3 (benchmarks/results/README.md).
 
     python benchmarks/grad_return.py                                   # every GPU of this process
     python -m jax_cpgrad.launch -n 2 benchmarks/grad_return.py         # one process per GPU
@@ -25,7 +26,7 @@ Two timing modes:
               it is what a scan over layers sees. Sizes >= --bandwidth-min.
 With several processes, a barrier before each timed run starts them together; rank 0's times
 are reported.
-Both report the median over --reps (and min-max), the bus bandwidth (N-1)/N * 2 * global bytes /
+Both report the median over --reps (and min-max), the bus bandwidth (R-1)/R * 2 * global bytes /
 time (NCCL's convention, for both ops), the ratio to the faster of nccl and nccl-symm at that point
 (`vs best nccl`, > 1 is faster) and the fraction of the ceiling (ceiling time / time). The ceiling
 (GPUs of their own only, benchmarks/ceiling.py): every GPU pushing its bytes to every peer at
@@ -214,12 +215,12 @@ class Point:
     size: int  # requested global bytes per tensor
     seq: int
     global_bytes: int  # actual global bytes per tensor
-    local_bytes: int  # global_bytes / N
+    local_bytes: int  # global_bytes / R
 
 
 def make_point(size: int, dtype: str, n: int) -> Point:
     row = math.prod(INNER) * jnp.dtype(dtype).itemsize
-    seq = max(2 * n, size // row // (2 * n) * (2 * n))  # S divisible by 2N (the CP chunks)
+    seq = max(2 * n, size // row // (2 * n) * (2 * n))  # S divisible by 2R (the CP chunks)
     return Point(dtype, size, seq, seq * row, seq * row // n)
 
 
@@ -663,7 +664,7 @@ def print_block(bench: Bench, op: str, mode: str, rows, ceilings) -> None:
         if mode == "latency"
         else f"fori_loop of {opts.iters} calls"
     )
-    print(f"\n== {op}, {mode} mode ({how}; N={bench.n}, {bench.backend}, median of {opts.reps}) ==")
+    print(f"\n== {op}, {mode} mode ({how}; R={bench.n}, {bench.backend}, median of {opts.reps}) ==")
     print(HEADER)
     for dtype in opts.dtypes:
         for size in sorted({r["global_bytes_per_tensor"] for r in block if r["dtype"] == dtype}):
@@ -772,7 +773,7 @@ def _plot_panel(ax, meta, op, mode, dtype, rows, ceilings) -> None:
     ax.set_xlabel("global bytes per tensor (dK and dV each)")
     ax.set_ylabel("bus bandwidth, GB/s" if mode == "bandwidth" else "us per call")
     shared = " (shared GPU)" if meta["shared_gpu"] else ""
-    ax.set_title(f"{op} {mode}, N={meta['n']}, {dtype}, {meta['backend']}{shared}", fontsize=9)
+    ax.set_title(f"{op} {mode}, R={meta['n']}, {dtype}, {meta['backend']}{shared}", fontsize=9)
     ax.grid(True, alpha=0.3)
     if pts:
         ax.legend(fontsize=7)
@@ -794,7 +795,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_num_cpu_devices", 8)
     bench = setup(opts)
     bench.say(
-        f"{__file__}: N={bench.n}, {jax.devices()[0].device_kind} ({bench.backend}), "
+        f"{__file__}: R={bench.n}, {jax.devices()[0].device_kind} ({bench.backend}), "
         f"{jax.process_count()} process(es), transports {[t.name for t in bench.transports]}, "
         f"modes {opts.modes}, calls {opts.calls}, iters {opts.iters}, reps {opts.reps}"
     )

@@ -1,6 +1,7 @@
 """Kernel efficiency on one GPU: scatter, ordered accumulation and gather vs a plain device copy.
+Makes the results' finding 8 (kernel efficiency on one GPU).
 
-N writers are emulated by N regions on this one GPU, so this measures how close each kernel
+R writers are emulated by R regions on this one GPU, so this measures how close each kernel
 gets to the HBM bandwidth a cudaMemcpy of the same bytes reaches, not NVLink.
 
     python benchmarks/kernels.py [--n 2 4 8] [--mib 1 4 16 64 256 1024] [--json out.json]
@@ -50,7 +51,7 @@ def main() -> None:
         raise SystemExit("benchmarks/kernels.py needs the CUDA build of jax_cpgrad and a GPU")
     rows = []
     print(
-        f"{'N':>2} {'MiB/t':>6} {'dtype':>8} | {'scatter GB/s':>12} {'%copy':>6} | "
+        f"{'R':>2} {'MiB/t':>6} {'dtype':>8} | {'scatter GB/s':>12} {'%copy':>6} | "
         f"{'accum GB/s':>10} {'%copy':>6} | {'gather GB/s':>11} {'%copy':>6}"
     )
     for n in opts.n:

@@ -1,8 +1,9 @@
 """Fixed per-call cost of the peer transport for tiny messages, and its breakdown.
+Makes the results' finding 8 (the fixed per-call cost).
 
-One rank's call with N writers emulated on this GPU and every wait already satisfied, so what
+One rank's call with R writers emulated on this GPU and every wait already satisfied, so what
 is left is what the host pays to enqueue it and what the GPU spends per call. Stream-memop
-protocol: the scatter launch, one cuStreamBatchMemOp with the 2(N-1)+2 stream memory
+protocol: the scatter launch, one cuStreamBatchMemOp with the 2(R-1)+2 stream memory
 operations, the accumulation launch. Device protocol: one fused kernel (`fused_call`).
 
     python benchmarks/overhead.py [--n 1 2 4 8] [--bytes 4096] [--json overhead.json]
@@ -29,7 +30,7 @@ def main() -> None:
     if bench_ext is None:
         raise SystemExit("benchmarks/overhead.py needs the CUDA build of jax_cpgrad and a GPU")
     rows = []
-    print(f"{'N':>2} {'API calls':>9} {'mem ops':>7} | " + " | ".join(f"{part:>22}" for part in PARTS))
+    print(f"{'R':>2} {'API calls':>9} {'mem ops':>7} | " + " | ".join(f"{part:>22}" for part in PARTS))
     print(f"{'':>2} {'':>9} {'':>7} | " + " | ".join(f"{'host us':>10} {'GPU us':>11}" for _ in PARTS))
     for n in opts.n:
         r = bench_ext.call_overhead_bench(n, opts.bytes, opts.iters)

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# compute-sanitizer (TOOL: memcheck or racecheck) on each of N ranks (default 2) running
+# compute-sanitizer (TOOL: memcheck or racecheck) on each of R ranks (default 2) running
 # tests/gpu_worker.py SCENARIOS: the launcher's environment by hand, since the sanitizer wraps
 # the interpreter. Rank r runs on GPU r mod (visible GPUs): with fewer GPUs than ranks, ranks
-# share a GPU and the protocol defaults to stream memops (DEVICE.md); N = 1 is one process alone.
+# share a GPU and the protocol defaults to the stream-memop protocol (docs/design.md); R = 1 is one
+# process alone.
 # Exits non-zero if any rank's sanitizer or worker failed.
 #
 #   bash benchmarks/sanitize_ranks.sh memcheck correctness,wrap,errors        # 2 ranks
-#   bash benchmarks/sanitize_ranks.sh memcheck correctness,graphs 1           # one process, N = 1
+#   bash benchmarks/sanitize_ranks.sh memcheck correctness,graphs 1           # one process, R = 1
 set -uo pipefail
 tool=$1 scenarios=$2 n=${3:-2}
 gpus=$(nvidia-smi -L | grep -c '^GPU ')

@@ -1,4 +1,5 @@
 """Where a step's communication sits on each GPU, from a JAX profiler trace.
+The exposed-time columns of cp_step.py's tables (the results' findings 4 and 5); not run alone.
 
 Runs a compiled step a few times under ``jax.profiler`` and reads the trace back (ProfileData,
 no viewer): per GPU, the kernels of each stream, split into the peer transport's, NCCL's for the

@@ -35,7 +35,7 @@ def tables(data: dict, sizes: list[int] | None = None) -> str:
                     f"{p} us (x NCCL; of ceiling, of push)" for p in peers
                 ]
                 lines = [
-                    f"**{op}, {mode}, {dtype}, N={data['n']}, {data['processes']} process(es)**",
+                    f"**{op}, {mode}, {dtype}, R={data['n']}, {data['processes']} process(es)**",
                     "",
                     "| " + " | ".join(header) + " |",
                     "|" + " --- |" * len(header),

@@ -1,11 +1,13 @@
-"""Train the example causal transformer with context parallelism.
+"""Train the package's causal transformer (jax_cpgrad.models) with context parallelism.
 
-    python examples/train_cp_transformer.py [--n 8] [--seq-len 1024] [--steps 20] [--peer]
+    python examples/train_cp_transformer.py [--n R] [--seq-len 1024] [--steps 20] [--peer]
     python -m jax_cpgrad.launch -n 4 examples/train_cp_transformer.py --peer   # one process per rank
 
-Each rank holds two chunks of the sequence (the load-balanced layout). The forward gathers K/V
-with jax_cpgrad.all_gather; jax.grad returns dK/dV to their owners through its VJP, over the
-peer transport with --peer (one Workspace serves every layer), over XLA collectives otherwise.
+Each of the R ranks holds two chunks of the sequence (the load-balanced layout). Every layer's
+attention is jax_cpgrad.dot_product_attention: it gathers K/V in the forward pass and returns
+dK/dV to their owners in its VJP, over the peer transport with --peer (one Workspace serves every
+layer and the parameter-gradient all-reduce, so the step uses no NCCL), over XLA collectives
+otherwise. The step itself is jax_cpgrad.models.cp_train_step.make_train_step.
 """
 
 import argparse
@@ -17,13 +19,21 @@ from jax.sharding import Mesh
 
 import jax_cpgrad as cpg
 from jax_cpgrad import launch
-from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
-from jax_cpgrad.example.model import Config, init_params, synthetic_batch
+from jax_cpgrad.models.cp_train_step import (
+    local_value,
+    make_train_step,
+    replicate,
+    shard_batch,
+    workspace_nbytes,
+)
+from jax_cpgrad.models.transformer import Config, init_params, synthetic_batch
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=None)
+    p.add_argument(
+        "--n", type=int, default=None, help="R, the CP size (default: 8 on the CPU, every device otherwise)"
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.5)

@@ -1,9 +1,9 @@
-"""The demo: a few context-parallel training steps of the example transformer.
+"""The demo: a few context-parallel training steps of the package's transformer (jax_cpgrad.models).
 
-    python -m jax_cpgrad.demo [--n N] [--seq-len S] [--dtype float32|bfloat16] [--steps K]
+    python -m jax_cpgrad.demo [--n R] [--seq-len S] [--dtype float32|bfloat16] [--steps STEPS]
 
 Picks what the machine has: several GPUs in one process -> both transports (peer and XLA/NCCL),
-one GPU -> N processes sharing it (peer transport only: NCCL refuses duplicate GPUs), no GPU ->
+one GPU -> R processes sharing it (peer transport only: NCCL refuses duplicate GPUs), no GPU ->
 8 CPU devices and the XLA transport. Prints the loss per step, the difference against the same
 model run unsharded, and the time per step of each transport, and ends with one line: PASS when
 every transport's first-step gradients match the unsharded model's within the tolerance (exit
@@ -23,15 +23,18 @@ from jax.sharding import Mesh
 
 from . import launch
 from ._native import HAS_CUDA
-from .example.cp_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
-from .example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
+from .models.cp_train_step import local_value, make_train_step, replicate, shard_batch, workspace_nbytes
+from .models.transformer import Config, init_params, reference_loss_and_grads, synthetic_batch
 from .workspace import Workspace
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jax_cpgrad.demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--n", type=int, default=None, help="CP size (default: 8 on CPU, all GPUs, or 4 processes on one GPU)"
+        "--n",
+        type=int,
+        default=None,
+        help="R, the CP size (default: 8 on CPU, all GPUs, or 4 processes on one GPU)",
     )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -43,7 +46,7 @@ def _parse(argv):
 
 def _choose_platform(opts) -> str:
     """'gpu-ranks' (a rank of a launched job), 'gpu-multi' (one process, several GPUs),
-    'gpu-shared' (relaunch as N processes sharing the GPU), 'cpu'."""
+    'gpu-shared' (relaunch as R processes sharing the GPU), 'cpu'."""
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         return "gpu-ranks"
     gpus = 0 if opts.cpu or not HAS_CUDA else launch.visible_gpu_count()

@@ -1,5 +1,5 @@
 """benchmarks/attention.py on the CPU (XLA kernels, tiny shapes): it reads the unsharded
-attention and a rank of each N, and writes the ratio table, its JSON and its plot."""
+attention and a rank of each CP size R, and writes the ratio table, its JSON and its plot."""
 
 import json
 
@@ -28,7 +28,7 @@ def test_cpu_smoke_run_writes_the_per_rank_ratios(tmp_path):
         ]
         + ["--json", str(js), "--png", str(png)]
     )
-    assert "N x t_rank / t_unsharded" in out
+    assert "x t_rank / t_unsharded" in out  # R x ... (N x ... before the rename)
     data = json.loads(js.read_text())
     assert data["meta"]["implementation"] == "xla"
     rows = {r["n"]: r for r in data["rows"]}

@@ -125,9 +125,9 @@ def test_busbw_and_ratios_against_the_faster_nccl_and_the_ceiling():
     ]
     bench.annotate(rows, {("grad_return", "bfloat16", 1 << 20): 1e-3})
     nccl, symm, peer, nccl_lat, peer_lat = rows
-    # (N-1)/N * 2 tensors * 1 MiB / 2 ms
+    # (R-1)/R * 2 tensors * 1 MiB / 2 ms
     assert peer["busbw_gbps"] == pytest.approx(0.75 * 2 * (1 << 20) / 2e-3 / 1e9)
-    assert bench.busbw_gbps(1, 1 << 20, 2, 1e-3) == 0.0  # nothing crosses a link with N = 1
+    assert bench.busbw_gbps(1, 1 << 20, 2, 1e-3) == 0.0  # nothing crosses a link with R = 1
     assert peer["vs_best_nccl"] == pytest.approx(2.0)  # against nccl (4 ms), the faster of the two
     assert nccl["vs_best_nccl"] == pytest.approx(1.0) and symm["vs_best_nccl"] == pytest.approx(0.8)
     assert peer_lat["vs_best_nccl"] == pytest.approx(0.25)  # each mode against its own NCCL

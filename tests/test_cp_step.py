@@ -1,5 +1,6 @@
 """benchmarks/cp_step.py on the CPU: its startup check of the attention layer works, the CP
-step equals the unsharded model, the cuDNN/peer step lowers for CUDA, and the script runs.
+step (the package's transformer layers, jax_cpgrad.models) equals the unsharded model, per-layer
+attention options reach the layer, the cuDNN/peer step lowers for CUDA, and the script runs.
 
 Tolerances (float32 on the CPU): the CP step's loss within 3e-6 relative (observed <= 1.1e-6: the
 ranks' partial sums and the split attention add in another order than the reference) and its
@@ -7,6 +8,7 @@ gradients (parameters, and dK/dV of every layer) within 2e-5 of the largest refe
 (observed <= 7e-7); the layer check within 1e-5.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import cp_step as cs  # noqa: E402
 
 import jax_cpgrad as cpg  # noqa: E402
-from jax_cpgrad.attention import layer as attention_layer  # noqa: E402
+from jax_cpgrad.attention import kernels as attention_kernels  # noqa: E402
 
 XLA_KV_COLLECTIVES = re.compile(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)")
 
@@ -55,7 +57,7 @@ def _mesh(n):
 
 def _config(**fields):
     base = dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, seq=64, dtype="float32")
-    return cs.Config(**{**base, **fields})
+    return cs.model_config(**{**base, **fields})
 
 
 # -- the startup check of the layer -------------------------------------------------------------
@@ -75,7 +77,7 @@ def test_the_layer_check_passes_on_the_layer_and_catches_a_wrong_one(monkeypatch
 def _cp_vs_reference(cfg, n, transport="xla"):
     rng = np.random.default_rng(1)
     params = cs.init_params_numpy(cfg, seed=3)
-    x = rng.standard_normal((cfg.batch, cfg.seq, cfg.hidden)).astype(np.float32)
+    x = rng.standard_normal((cfg.batch, cfg.seq_len, cfg.d_model)).astype(np.float32)
     zeros = [(np.zeros(cfg.local_kv(1).shape, np.float32),) * 2 for _ in range(cfg.layers)]
     ref_loss, (ref_g, ref_pg) = cs.reference_loss_and_grads(params, x, zeros, cfg)
 
@@ -95,11 +97,11 @@ def _max_rel(got, ref):
     return float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
 
 
-@pytest.mark.parametrize("n,kv_heads,head_groups", [(4, 4, 1), (4, 2, 1), (2, 1, 1), (4, 4, 2)])
-def test_cp_step_matches_the_unsharded_float32_model(n, kv_heads, head_groups):
+@pytest.mark.parametrize("ranks,kv_heads,head_groups", [(4, 4, 1), (4, 2, 1), (2, 1, 1), (4, 4, 2)])
+def test_cp_step_matches_the_unsharded_float32_model(ranks, kv_heads, head_groups):
     """head_groups 2: --head-groups, the layer's transfer pipelined over two groups of heads."""
     cfg = _config(kv_heads=kv_heads, batch=2, head_groups=head_groups)
-    (ref_loss, ref_g, ref_pg), (loss, grads, dkdv) = _cp_vs_reference(cfg, n)
+    (ref_loss, ref_g, ref_pg), (loss, grads, dkdv) = _cp_vs_reference(cfg, ranks)
     assert abs(loss - ref_loss) <= 3e-6 * abs(ref_loss), (loss, ref_loss)
     assert _max_rel(grads, ref_g) < 2e-5
     assert _max_rel(dkdv, ref_pg) < 2e-5  # dK/dV of every layer as the owners get them
@@ -117,12 +119,39 @@ def test_the_none_transport_computes_the_same_shapes_without_kv_communication():
     assert XLA_KV_COLLECTIVES.search(text)
 
 
+def test_each_layer_gets_its_own_attention_options(monkeypatch):
+    """--local-window-size 16 none: sliding-window and global layers, cycled; each layer's options
+    reach the CP layer (recorded here and removed, so this runs before the layer takes them)."""
+    opts = cs._parse(["--layers", "3", "--local-window-size", "16", "none", "--hidden", "32", "--heads", "4"])
+    (cfg,) = cs.configs(opts, on_gpu=False)
+    assert [cfg.attention_options(i) for i in range(3)] == [
+        {"local_window_size": 16},
+        {},
+        {"local_window_size": 16},
+    ]
+    assert cs.label(cfg).endswith("win=16/g") and cs.model_config(**cs.describe(cfg)) == cfg
+    seen, layer = [], cpg.dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append(kw.pop("local_window_size", None))
+        return layer(q, k, v, **kw)
+
+    monkeypatch.setattr(cs.cpg, "dot_product_attention", recording)
+    cfg = dataclasses.replace(_config(layers=3), layer_attention=cfg.layer_attention)
+    mesh = _mesh(2)
+    args = (cs.init_params_device(mesh, cfg, 0), cs.random_hidden(mesh, cfg, 0), [])
+    cs.make_step(cfg, mesh, "xla").trace(*args)
+    assert seen == [16, None, 16]
+    with pytest.raises(SystemExit):
+        cs.layer_attention(["-3"])
+
+
 # -- the GPU paths, lowered for CUDA on the CPU ------------------------------------------------
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_the_cudnn_peer_step_lowers_for_cuda(overlap, monkeypatch):
-    monkeypatch.setattr(attention_layer, "cudnn_max_head_dim", lambda: 256)  # traced as on an H200
+    monkeypatch.setattr(attention_kernels.cudnn, "max_head_dim", lambda: 256)  # traced as on an H200
     n = 2
     cfg = _config(
         hidden=256,
@@ -135,7 +164,7 @@ def test_the_cudnn_peer_step_lowers_for_cuda(overlap, monkeypatch):
         implementation="cudnn",
     )
     mesh = _mesh(n)
-    ws = workspace_spec(n, nbytes=cfg.workspace_nbytes(n), overlap=overlap)
+    ws = workspace_spec(n, nbytes=cs.workspace_nbytes(cfg, n), overlap=overlap)
     args = (cs.init_params_device(mesh, cfg, 0), cs.random_hidden(mesh, cfg, 0), [])
     text = cs.make_step(cfg, mesh, "peer", ws).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = Counter(re.findall(r"custom_call @([\w$]+)\(", text))

@@ -1,4 +1,5 @@
-"""The example script and the demo run (small sizes, CPU); the kernel sweep compiles."""
+"""The programs outside the package run: the example script and the demo (small sizes, CPU); the
+experiments' kernel sweep (experiments/kernel_variants.cu) compiles."""
 
 import os
 import subprocess
@@ -44,7 +45,7 @@ def _find_nvcc():
 
 def test_kernel_variant_sweep_compiles(tmp_path):
     # The sweep is a standalone program (not built with the package); compiling it keeps it from
-    # rotting. Running it needs a GPU: see benchmarks/results/README.md.
+    # rotting. Running it needs a GPU: experiments/README.md.
     nvcc = _find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (CUDA_HOME or /usr/local/cuda)")
@@ -56,7 +57,7 @@ def test_kernel_variant_sweep_compiles(tmp_path):
             "-arch=sm_90",
             "--extended-lambda",
             "-c",
-            script("benchmarks/sweeps/kernel_variants.cu"),
+            script("experiments/kernel_variants.cu"),
             "-o",
             str(tmp_path / "kv.o"),
         ],

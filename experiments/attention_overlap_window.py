@@ -1,11 +1,15 @@
 """Is the layer's overlap window long enough, and would pipelining by head groups pay?
 
+Backs the layer's ``head_groups`` option and its default of 1 (experiments/README.md; results:
+"The overlap window and head-group pipelining"). Live: rerun it, with a measured transfer, once
+several GPUs are available.
+
 The layer hides its K/V gather behind the local part's forward (each rank's diagonal blocks) and
 its dK/dV return behind the local part's backward. On one GPU the transfer cannot be timed, so
 this sweep times the windows and projects the transfer from its bytes and a measured peer
 bandwidth (--gbps; default 358 GB/s out of each GPU: 2 H200s on NVLink, a 1 GiB dK + dV
-return at N = 2 in 2995 us, README). Per rank of N: the gather receives and the return sends
-(N-1)/N of the keys and values, 2 x S x K x H x 2 bytes.
+return at R = 2 in 2995 us, README). Per rank of R: the gather receives and the return sends
+(R-1)/R of the keys and values, 2 x S x K x H x 2 bytes.
 
 Pipelining by G head groups would expose about a G-th of the transfer instead (the first group's,
 less the window; each later group's hides behind the previous group's remote part, which is
@@ -15,7 +19,7 @@ transfers replaced by local copies). Exposed now = max(0, transfer - window), pe
 groups = max(0, transfer/G - window) + the pipeline's extra compute. (The transfer's share of
 the SMs while it overlaps, and a measured multi-GPU transfer, are not in this projection.)
 
-    python benchmarks/sweeps/attention_overlap_window.py   # one H200: a few minutes
+    python experiments/attention_overlap_window.py   # one H200: a few minutes
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# benchmarks/attention.py's readings and inputs, so that both read a rank the same way
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -52,11 +57,13 @@ def local_part_seconds(q, k, v, opts) -> tuple[float, float]:
     return t_fwd, t_bwd
 
 
-def in_head_groups(groups: int, n: int):
+def in_head_groups(groups: int, ranks: int):
     """fwd+bwd of the rank's attention with the transfer pipelined over ``groups`` head groups (the
     layer's ``head_groups``: every remote kernel call split that many ways)."""
     return fwd_bwd(
-        lambda q, k, v, rank: rank_without_transfer(q, k, v, rank, n, implementation=IMPL, head_groups=groups)
+        lambda q, k, v, rank: rank_without_transfer(
+            q, k, v, rank, ranks, implementation=IMPL, head_groups=groups
+        )
     )
 
 
@@ -91,7 +98,7 @@ def measure(seq: int, kv_heads: int, n: int, opts) -> dict:
         for g, d in row["groups"].items()
     )
     print(
-        f"S={human_tokens(seq)} KV {kv_heads} N={n} (chunk {human_tokens(c)}): "
+        f"S={human_tokens(seq)} K={kv_heads} R={n} (chunk {human_tokens(c)}): "
         f"rank {t_groups[1] * 1e3:.3f} ms, window fwd {window_fwd * 1e3:.3f} bwd {window_bwd * 1e3:.3f}, "
         f"transfer {transfer * 1e3:.3f} each way, "
         f"exposed now {exposed * 1e3:.3f} ({exposed / t_groups[1] * 100:.1f}% of the rank); {cells}",
@@ -104,7 +111,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", nargs="+", default=["16k", "32k", "64k"])
     p.add_argument("--kv-heads", nargs="+", type=int, default=[8, 32])
-    p.add_argument("--n", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--n", nargs="+", type=int, default=[2, 4, 8], help="R, the CP sizes")
     p.add_argument("--groups", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)

@@ -1,14 +1,14 @@
-// Sweep of kernel variants behind the choices in ffi/kernels.cu, on one GPU (not part of the
-// package; the variants are written out here so that the package keeps only the winners).
+// Sweep of kernel variants behind the stream-memop protocol's copy and accumulation kernels in
+// ffi/memop_kernels.cu, on one GPU (not part of the package; the variants are written out here
+// so that the package keeps only the winners). Index: experiments/README.md.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 --extended-lambda -o /tmp/kernel_variants
-//   benchmarks/sweeps/kernel_variants.cu /tmp/kernel_variants 2> all_variants.csv      # stdout:
-//   the best per config; stderr: every variant
+//   nvcc -O3 -std=c++17 -arch=sm_90 --extended-lambda -o /tmp/kv experiments/kernel_variants.cu
+//   /tmp/kv 2> all_variants.csv    # stdout: the best per config; stderr: every variant
 //
 // Two families, each timed against cudaMemcpy of the same memory traffic (median of 7 x 20):
-//   copy: the grad_return scatter ((N-1) owners x 2 tensors x 2 chunks of runs), tile size
+//   copy: the grad_return scatter ((R-1) owners x 2 tensors x 2 chunks of runs), tile size
 //         (threads x vectors per thread), grid shape and cache hints;
-//   sum:  the ordered float32 accumulation of N writers, vectors per thread per writer, writer
+//   sum:  the ordered float32 accumulation of R writers, vectors per thread per writer, writer
 //         batch, threads, grid shape and cache hints, bf16 and f32.
 // Grid shapes: m0 one wave, rows on y, grid-stride in x; m1 one wave over flat tiles; m2 one block
 // per tile. Hints: h0 plain; h1 __ldcs/__stcs (evict-first); h2 __ldg.
@@ -59,11 +59,11 @@ __device__ __forceinline__ void for_each_tile(int rows, int64_t vecs, int64_t ti
   }
 }
 
-struct Layout {  // one rank's view: 2 tensors, global inputs, N regions of slots
+struct Layout {  // one rank's view: 2 tensors, global inputs, R regions of slots
   int n, rows;
   int64_t rb, vecs, tiles_per_row, slot_bytes;
-  const char* in;  // [2 tensors][2N chunks][rb]
-  char* regions;   // N regions, each [1 KiB flags][N slots of slot_bytes]
+  const char* in;  // [2 tensors][2R chunks][rb]
+  char* regions;   // R regions, each [1 KiB flags][R slots of slot_bytes]
   char* out;       // [2 tensors][2 chunks][rb]
   __device__ int64_t region_bytes() const { return 1024 + n * slot_bytes; }
 };
@@ -240,7 +240,7 @@ void report(const char* family, int n, int64_t mib, const char* dtype, float cop
     fprintf(stderr, "%s,%d,%lld,%s,%s,%.2f\n", family, n, (long long)mib, dtype, x.name.c_str(),
             100 * copy_ms / x.ms);
   std::sort(v.begin(), v.end(), [](const Variant& a, const Variant& b) { return a.ms < b.ms; });
-  printf("%-10s N=%d %5lld MiB %-4s | best:", family, n, (long long)mib, dtype);
+  printf("%-10s R=%d %5lld MiB %-4s | best:", family, n, (long long)mib, dtype);
   for (size_t i = 0; i < std::min<size_t>(5, v.size()); ++i)
     printf(" [%s %.1f%%]", v[i].name.c_str(), 100 * copy_ms / v[i].ms);
   printf("\n");

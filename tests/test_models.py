@@ -1,0 +1,109 @@
+"""jax_cpgrad.models: the transformer trained with CP on CPU devices matches the unsharded model
+(MHA and GQA, the config's implementation and head groups), and per-layer attention options reach
+the attention."""
+
+import dataclasses
+import inspect
+
+import jax
+import numpy as np
+import pytest
+
+from jax_cpgrad import dot_product_attention
+from jax_cpgrad.models.cp_train_step import local_value, make_train_step, replicate, shard_batch
+from jax_cpgrad.models.transformer import (
+    Config,
+    forward_loss,
+    init_params,
+    layer_param_shapes,
+    reference_loss_and_grads,
+    synthetic_batch,
+)
+from spmd import cp_mesh
+
+SMALL = Config(vocab=64, d_model=32, heads=2, d_head=16, layers=2, d_ff=64, seq_len=64, batch=2)
+# float32: the CP model does the same per-row math, only sums run in another order (~1e-6).
+# bfloat16: activations, K and V round to 8 bits; differences of a few 1e-3 are rounding noise.
+TOL = {"float32": dict(rtol=2e-4, atol=2e-6), "bfloat16": dict(rtol=5e-2, atol=5e-4)}
+
+
+def _check_against_unsharded(cfg, ranks, dtype):
+    params = init_params(cfg, seed=1)
+    tokens, targets = synthetic_batch(cfg, seed=2)
+    with jax.default_device(jax.devices("cpu")[0]):  # on a GPU machine, keep TF32 matmuls out
+        ref_loss, ref_grads = reference_loss_and_grads(params, tokens, targets, cfg)
+    mesh = cp_mesh(ranks, "cpu")
+    step = make_train_step(cfg, mesh)
+    _, loss, grads = local_value(step(replicate(mesh, params), *shard_batch(mesh, tokens, targets)))
+    np.testing.assert_allclose(loss, ref_loss, **TOL[dtype])
+    for (path, g), r in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
+        scale = float(np.max(np.abs(r))) or 1.0
+        np.testing.assert_allclose(
+            g, r, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["rtol"] * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_cp_loss_and_gradients_match_unsharded(ranks, dtype):
+    _check_against_unsharded(dataclasses.replace(SMALL, dtype=dtype), ranks, dtype)
+
+
+@pytest.mark.parametrize("kv_heads,head_groups", [(2, 1), (2, 2), (1, 1)], ids=["gqa", "gqa-groups", "mqa"])
+def test_gqa_and_head_groups_match_unsharded(kv_heads, head_groups):
+    cfg = dataclasses.replace(
+        SMALL, heads=4, kv_heads=kv_heads, head_groups=head_groups, implementation="xla"
+    )
+    assert layer_param_shapes(cfg)["wk"][0] == (cfg.d_model, kv_heads * cfg.d_head)
+    _check_against_unsharded(cfg, 4, "float32")
+
+
+def test_the_config_checks_heads_and_groups():
+    with pytest.raises(ValueError, match="must divide heads"):
+        Config(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="must divide the 2 key/value heads"):
+        Config(heads=4, kv_heads=2, head_groups=4)
+    assert Config(heads=4).num_kv_heads == 4 and Config(heads=4).local_kv(2).shape == (2, 512, 4, 32)
+
+
+def test_per_layer_attention_options_reach_the_attention_cycled_over_the_layers():
+    """A config mixing sliding-window layers with global ones: each layer's options go, unchanged,
+    to attend (the CP layer's or jax.nn.dot_product_attention's keywords)."""
+    window = {"local_window_size": 16}
+    cfg = dataclasses.replace(SMALL, layers=4, layer_attention=(window, window, {}))
+    assert [cfg.attention_options(i) for i in range(4)] == [window, window, {}, window]
+    seen = []
+
+    def attend(q, k, v, **options):
+        seen.append(options)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, **options)
+
+    tokens, targets = synthetic_batch(cfg, seed=0)
+    windowed = forward_loss(init_params(cfg), tokens, targets, cfg, attend)
+    assert seen == [window, window, {}, window]
+    plain = forward_loss(
+        init_params(cfg), tokens, targets, dataclasses.replace(cfg, layer_attention=()), attend
+    )
+    assert float(windowed) != float(plain)  # the window changed what the layers attend to
+
+
+def test_training_reduces_the_loss():
+    mesh = cp_mesh(4, "cpu")
+    step = make_train_step(SMALL, mesh, lr=0.5)
+    params = replicate(mesh, init_params(SMALL, seed=3))
+    batch = shard_batch(mesh, *synthetic_batch(SMALL, seed=0))
+    losses = []
+    for _ in range(8):
+        params, loss, _ = step(params, *batch)
+        losses.append(float(local_value(loss)))
+    assert losses[-1] < losses[0] * 0.9, losses
+
+
+def test_a_cp_step_mixing_sliding_window_and_global_layers_matches_unsharded():
+    if "local_window_size" not in inspect.signature(dot_product_attention).parameters:
+        pytest.skip("the CP layer does not take local_window_size yet")
+    window = {"local_window_size": 24}  # wider than a chunk (8 tokens at R = 4): crosses ranks
+    cfg = dataclasses.replace(SMALL, layers=3, layer_attention=(window, {}))
+    _check_against_unsharded(cfg, 4, "float32")
