@@ -71,6 +71,9 @@ def test_document_balance_main_on_tiny_arguments(tmp_path, capsys):
     }
     for row in data["rows"]:
         assert len(row["rank_pairs"]) == row["ranks"] and row["max_over_mean"] >= 1.0
+        assert len(row["balanced_rank_pairs"]) == row["ranks"]
+        assert sum(row["balanced_rank_pairs"]) == sum(row["rank_pairs"])  # the same documents, reordered
+        assert 1.0 <= row["balanced_max_over_mean"] <= row["max_over_mean"]
         if row["mix"] == "causal":
             assert row["max_over_mean"] == 1.0
 
