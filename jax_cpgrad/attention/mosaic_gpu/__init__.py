@@ -1,0 +1,15 @@
+"""Pallas Mosaic GPU attention kernels for Hopper (sm_90).
+
+- ``forward.py``: the forward, ``forward(q, k, v, vis, *, scale, config=None) -> (out, lse)``;
+- ``config.py``: its ``Config``, ``default_config`` and limits (``check``, ``check_device``);
+- ``backward.py``: the dQ and dK/dV kernels, ``backward(...)`` with ``BackwardConfig``.
+
+Nothing here touches a device at import: ``check_device`` reads ``jax.local_devices()`` when
+called, so the package imports (and lowers with ``jax.export``) on a machine without a GPU.
+"""
+
+from .backward import BackwardConfig, backward
+from .config import Config, check, check_device, default_config
+from .forward import forward
+
+__all__ = ["BackwardConfig", "Config", "backward", "check", "check_device", "default_config", "forward"]
