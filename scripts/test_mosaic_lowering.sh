@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Mosaic GPU kernels' CPU tests (tests/test_mosaic_forward.py) on the oldest supported jax
+# The Mosaic GPU kernels' CPU tests (tests/test_mosaic_forward.py, tests/test_mosaic_backward.py) on the oldest supported jax
 # (0.11.2) and the newest jax < 0.13, no GPU needed:
 # - lowering: jax.export for "cuda" runs the whole Mosaic GPU lowering on the CPU; it needs
 #   jax-cuda13-plugin of the same version, installed --no-deps (8 MB, no CUDA libraries);
@@ -62,7 +62,7 @@ assert plugin is not None, "jax-cuda13-plugin is missing"
 print(f"== Mosaic GPU tests on jax {jax.__version__} (jax-cuda13-plugin at {os.path.dirname(plugin.origin)})")
 PY
     JAX_CPGRAD_REQUIRE_LOWERING=1 JAX_PLATFORMS=cpu "$repo/$dir/bin/python" -m pytest -q -rs \
-      -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_mosaic_forward.py" "$@"
+      -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_mosaic_forward.py" "$repo/tests/test_mosaic_backward.py" "$@"
   ) || status=1
 done
 exit $status

@@ -1,0 +1,464 @@
+"""The attention backward as two Pallas Mosaic GPU kernels for Hopper (sm_90): dQ, and dK/dV.
+
+Both take the GIVEN output and log-sum-exp (possibly the merged ones of several key parts, see
+``split_attention``): P = exp(S - lse) and delta = rowsum(dO * O) with those, so that the
+backward of each key part, summed, is the backward of the whole (the merge property). delta is
+computed once in XLA (float32) before the kernels, with the log-sum-exp turned into base 2 and
+``-inf`` (a row that sees nothing) into ``+inf``, so that its P is exactly 0 in every tile.
+
+**The work.** Lengths are padded to the tiles in the wrapper (padded query rows see nothing and
+have dO = 0; padded keys are seen by nobody). ``tile_plan.tile_ranges`` turns the mask's
+intervals (``masks.Visibility``) into, for each outer tile, the inner tiles it visits
+``[lo, hi)`` and the unmasked ones ``[full_lo, full_hi)``; the element mask (row t sees keys
+``[row_lo[t], row_hi[t])``, key l is seen by queries ``[col_lo[l], col_hi[l])``) is applied
+only outside the unmasked range. Programs are launched heaviest tile first (``order``).
+
+- **dQ** (``_dq_kernel``): one program per (query tile, query head, batch entry), over the key
+  tiles of the row plan: S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+- **dK/dV** (``_dkv_kernel``): one program per (key tile, KV head, batch entry), over the G = N/K
+  query heads of that KV head and the query tiles of the column plan, in the transposed
+  orientation: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. GQA is summed in the
+  float32 accumulators, in a fixed order: no atomics, bitwise deterministic.
+
+**Warpgroups.** Each program has two warpgroups (``wg``):
+
+- wg 1, the *producer*, gives back most of its registers (``set_max_registers(40)``) and only
+  issues TMA copies of the streamed operands (K and V tiles for dQ; Q, dO, lse and delta tiles
+  for dK/dV) into a ring of ``num_stages`` SMEM slots, one "loaded" barrier per slot and
+  operand; before refilling a slot it waits for the slot's "free" barrier, and at the end it
+  waits for the last releases, so that no arrival is left unobserved;
+- wg 0, the *consumer* (240 registers), loads its resident tiles once (Q, dO, lse, delta and the
+  row bounds for dQ; K, V and the column bounds for dK/dV), then per step waits for the slot,
+  issues the two score-side wgmmas together (S and dP), computes P and dS in float32 registers
+  (base 2: ``exp2(s * scale * log2 e - lse2)``, the element mask only on masked tiles), issues
+  the accumulating wgmma(s), waits for them and frees the slot.
+
+Why: the loads of the next ``num_stages - 1`` steps overlap the math of this one without the
+consumer ever issuing a copy or waiting on a copy it issued, and the loop bounds (read from the
+plan in GMEM by both warpgroups) can be dynamic. The accumulators (dQ; dK and dV) are wgmma
+accumulator refs that live across the whole loop, so the float32 sums never leave registers.
+
+**Operands in registers or through SMEM** (``BackwardConfig.operands_via_smem``): on the GPU the
+16-bit dS (and P^T, dS^T) are wgmma A operands straight from registers. GPU interpret mode
+simulates wgmma only with operands in memory, so the interpret form stores them to an SMEM tile
+first (``commit_smem`` fences the stores for the async proxy). The arithmetic is the same;
+``default_config(H, interpret=True)`` picks it, and both forms lower for CUDA in the tests.
+
+**What FlashAttention-3 does differently** (its sm90 backward): one kernel per key tile computes
+dK/dV and dQ together (5 matmuls per tile pair instead of our 3 + 4), adding dQ into a float32
+global buffer with atomics (a separate warp does the TMA reduce-add) and converting it in a
+post-kernel, with GQA dK/dV also summed by atomics unless run in its slower deterministic mode.
+It uses two consumer warpgroups (M = 128 rows per program) and overlaps the softmax of one with
+the wgmmas of the other. We pay about 40% more matmul work for determinism, no float32
+global dQ buffer and no atomics, and for a mask-aware tile range in each direction; the one
+consumer warpgroup (64-row tiles by default) is the simple first step.
+
+Shapes: q ``[B, T, N, H]``, k/v ``[B, L, K, H]``, lse ``[B, N, T]`` float32 natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .. import tile_plan
+from ..masks import Visibility
+from . import config as config_lib
+
+F32 = jnp.float32
+I32 = jnp.int32
+LOG2E = math.log2(math.e)
+#: Head dimensions of the backward: at 256 the float32 dK and dV of a 64-row key tile alone
+#: would need all 255 registers of a consumer thread.
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tiling and pipeline of the two backward kernels.
+
+    - ``block_q``: query rows of a dQ program, and of a dK/dV step (a multiple of 64);
+    - ``block_k``: key rows of a dQ step, and of a dK/dV program (a multiple of 64);
+    - ``num_stages``: slots of the shared-memory ring of streamed tiles (>= 2);
+    - ``operands_via_smem``: dS (dQ) and P^T, dS^T (dK/dV) reach their wgmma through shared
+      memory instead of as register operands. GPU interpret mode simulates wgmma only with
+      operands in memory, so interpret mode needs True; False is what the GPU should run (one
+      shared-memory round trip and fence less per step). Both forms lower and are tested.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    num_stages: int = 2
+    operands_via_smem: bool = False
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value % 64 or value > 128:
+                raise ValueError(f"BackwardConfig.{name} must be 64 or 128 (wgmma tiles), got {value!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"BackwardConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of the larger of the two kernels (bytes)."""
+        bq, bk, s = self.block_q, self.block_k, self.num_stages
+        p = (bq * bk if self.operands_via_smem else 0) * itemsize
+        dq = 2 * bq * head_dim * itemsize + 2 * s * bk * head_dim * itemsize + p + 4 * 4 * bq
+        dkv = 2 * (bk + s * bq) * head_dim * itemsize + 2 * p + 4 * (2 * bk + 2 * s * bq)
+        return max(dq, dkv)
+
+    def replace(self, **changes) -> BackwardConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def default_config(head_dim: int, *, interpret: bool = False) -> BackwardConfig:
+    """The backward config for ``head_dim``; ``interpret=True``: the form interpret mode runs."""
+    _check_head_dim(head_dim)
+    return BackwardConfig(num_stages=3 if head_dim == 64 else 2, operands_via_smem=interpret)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    config_lib.check_head_dim(head_dim)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"implementation='mosaic': the backward supports head dimensions "
+            f"{', '.join(map(str, HEAD_DIMS))}, got {head_dim}; use implementation='cudnn' or 'xla'"
+        )
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+def _smem_transforms(dtype):
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _matmuls(*operands, shape):
+    """Products a @ b of the (a, b) pairs, each in a fresh float32 accumulator, issued together."""
+    pairs = list(zip(operands[::2], operands[1::2], strict=True))
+
+    def body(*accs):
+        for acc, (a, b) in zip(accs, pairs, strict=True):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(body, *[plgpu.ACC(shape, F32) for _ in pairs])
+
+
+def _bounds(plan_refs, bp, tile):
+    return tuple(ref[bp, tile] for ref in plan_refs)
+
+
+def _operand(x, dtype, smem_ref):
+    """The wgmma A operand x in ``dtype``: in registers, or stored to ``smem_ref`` (not None)."""
+    x = x.astype(dtype)
+    if smem_ref is None:
+        return x
+    smem_ref[...] = x
+    plgpu.commit_smem()  # the generic-proxy stores, visible to the wgmma (async proxy)
+    return smem_ref
+
+
+def _fill_and_drain(fill, steps, free_bars, stages):
+    """The producer's loop: ``fill(n)`` for every step, then wait for the slots' last releases,
+    so that every arrival on a "free" barrier is waited for once (nothing is left in flight when
+    the program ends; jax 0.11.2's interpreter checks it)."""
+    lax.fori_loop(0, steps, fill, None)
+
+    def drain(n, carry):
+        plgpu.barrier_wait(free_bars.at[lax.rem(n, jnp.int32(stages))])
+        return carry
+
+    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+
+
+def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
+    lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dq_ref = refs[8:14]
+    q_smem, do_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[14:22]
+    ds_smem = refs[22] if via_smem else None
+    res_bars, k_bars, v_bars, free_bars = refs[22 + via_smem :]
+    head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
+    wg = lax.axis_index("wg")
+    bp = batch if per_batch_plan else 0
+    tile = order_ref[bp, i]
+    lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
+    kv_head = lax.div(head, jnp.int32(groups))
+    rows = pl.ds(tile * block_q, block_q)
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        plgpu.set_max_registers(240, action="increase")
+        resident = [
+            (q_ref.at[batch, rows, head], q_smem), (do_ref.at[batch, rows, head], do_smem),
+            (lse_ref.at[batch, head, rows], lse_smem), (delta_ref.at[batch, head, rows], delta_smem),
+            (vlo_ref.at[bp, rows], vlo_smem), (vhi_ref.at[bp, rows], vhi_smem),
+        ]  # fmt: skip
+        for n, (src, dst) in enumerate(resident):
+            plgpu.copy_gmem_to_smem(src, dst, res_bars.at[n])
+        for n in range(len(resident)):
+            plgpu.barrier_wait(res_bars.at[n])
+        shape = (block_q, block_k)
+        bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
+        lse = bcast(plgpu.load(lse_smem, layout=wgmma_rows))
+        delta = bcast(plgpu.load(delta_smem, layout=wgmma_rows))
+        vlo = bcast(plgpu.load(vlo_smem, layout=wgmma_rows))
+        vhi = bcast(plgpu.load(vhi_smem, layout=wgmma_rows))
+        cols = plgpu.broadcasted_iota(I32, shape, 1, layout=plgpu.Layout.WGMMA)
+
+        def run(dq_acc):
+            def step(j, masked):
+                slot = lax.rem(j - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(v_bars.at[slot])
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                s, dp = _matmuls(q_smem, k_tile.T, do_smem, v_tile.T, shape=shape)
+                p = jnp.exp2(s * F32(scale * LOG2E) - lse)
+                if masked:
+                    col = cols + j * block_k
+                    p = jnp.where((col >= vlo) & (col < vhi), p, 0.0)
+                ds = _operand(p * (dp - delta), k_tile.dtype, ds_smem)
+                plgpu.wgmma(dq_acc, ds, k_tile)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free_bars.at[slot])
+
+            lax.fori_loop(lo, full_lo, lambda j, c: step(j, True), None)
+            lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, False), None)
+            lax.fori_loop(full_hi, hi, lambda j, c: step(j, True), None)
+            return dq_acc[...]
+
+        dq = pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32))
+        q_smem[...] = (dq * F32(scale)).astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fill(n, carry):
+            slot = lax.rem(n, jnp.int32(stages))
+            keys = pl.ds((lo + n) * block_k, block_k)
+
+            @pl.when(n >= stages)
+            def _():
+                plgpu.barrier_wait(free_bars.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_bars.at[slot])
+            return carry
+
+        _fill_and_drain(fill, hi - lo, free_bars, stages)
+
+
+def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
+    lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dk_ref, dv_ref = refs[8:15]
+    k_smem, v_smem, vlo_smem, vhi_smem, q_smem, do_smem, lse_smem, delta_smem = refs[15:23]
+    pt_smem, dst_smem = refs[23:25] if via_smem else (None, None)
+    res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[23 + 2 * via_smem :]
+    kv_head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
+    wg = lax.axis_index("wg")
+    bp = batch if per_batch_plan else 0
+    tile = order_ref[bp, i]
+    lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
+    n_tiles = hi - lo
+    keys = pl.ds(tile * block_k, block_k)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        plgpu.set_max_registers(240, action="increase")
+        resident = [
+            (k_ref.at[batch, keys, kv_head], k_smem), (v_ref.at[batch, keys, kv_head], v_smem),
+            (vlo_ref.at[bp, keys], vlo_smem), (vhi_ref.at[bp, keys], vhi_smem),
+        ]  # fmt: skip
+        for n, (src, dst) in enumerate(resident):
+            plgpu.copy_gmem_to_smem(src, dst, res_bars.at[n])
+        for n in range(len(resident)):
+            plgpu.barrier_wait(res_bars.at[n])
+        shape = (block_k, block_q)
+        vlo = lax.broadcast_in_dim(plgpu.load(vlo_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
+        vhi = lax.broadcast_in_dim(plgpu.load(vhi_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
+        qcols = plgpu.broadcasted_iota(I32, shape, 1, layout=plgpu.Layout.WGMMA)
+        wgmma_cols = plgpu.Layout.WGMMA.reduce(0)
+
+        def run(dk_acc, dv_acc):
+            def step(g, j, masked):
+                slot = lax.rem(g * n_tiles + j - lo, jnp.int32(stages))
+                plgpu.barrier_wait(q_bars.at[slot])
+                plgpu.barrier_wait(do_bars.at[slot])
+                q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+                st, dpt = _matmuls(k_smem, q_tile.T, v_smem, do_tile.T, shape=shape)
+                plgpu.barrier_wait(lse_bars.at[slot])
+                plgpu.barrier_wait(delta_bars.at[slot])
+                lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=wgmma_cols), shape, [1])
+                delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=wgmma_cols), shape, [1])
+                pt = jnp.exp2(st * F32(scale * LOG2E) - lse)
+                if masked:
+                    qcol = qcols + j * block_q
+                    pt = jnp.where((qcol >= vlo) & (qcol < vhi), pt, 0.0)
+                dst = pt * (dpt - delta)
+                plgpu.wgmma(dv_acc, _operand(pt, q_tile.dtype, pt_smem), do_tile)
+                plgpu.wgmma(dk_acc, _operand(dst, q_tile.dtype, dst_smem), q_tile)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free_bars.at[slot])
+
+            def head_loop(g, carry):
+                lax.fori_loop(lo, full_lo, lambda j, c: step(g, j, True), None)
+                lax.fori_loop(full_lo, full_hi, lambda j, c: step(g, j, False), None)
+                lax.fori_loop(full_hi, hi, lambda j, c: step(g, j, True), None)
+                return carry
+
+            lax.fori_loop(0, groups, head_loop, None)
+            return dk_acc[...], dv_acc[...]
+
+        acc = plgpu.ACC((block_k, head_dim), F32)
+        dk, dv = pl.run_scoped(run, acc, acc)
+        k_smem[...] = (dk * F32(scale)).astype(k_smem.dtype)
+        v_smem[...] = dv.astype(v_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, keys, kv_head], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, keys, kv_head], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fill(n, carry):
+            slot = lax.rem(n, jnp.int32(stages))
+            g = lax.div(n, n_tiles)
+            head = kv_head * groups + g
+            rows = pl.ds((lo + n - g * n_tiles) * block_q, block_q)
+
+            @pl.when(n >= stages)
+            def _():
+                plgpu.barrier_wait(free_bars.at[slot])
+
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_bars.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_bars.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot], lse_bars.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot], delta_bars.at[slot])
+            return carry
+
+        _fill_and_drain(fill, groups * n_tiles, free_bars, stages)
+
+
+# -- the wrapper ---------------------------------------------------------------------------------
+
+
+def check(q, k, v, out, lse, d_out, vis, config: BackwardConfig) -> None:
+    """``ValueError`` unless the backward supports these inputs with this config (q, k, v and vis
+    as the forward checks them; out, d_out and lse shaped after q; the head dims of the backward;
+    its shared memory)."""
+    config_lib.check(q, k, v, vis, config_lib.default_config(q.shape[-1] if q.ndim == 4 else 0))
+    B, T, N, H = q.shape
+    _check_head_dim(H)
+    if out.shape != q.shape or d_out.shape != q.shape:
+        raise ValueError(
+            f"implementation='mosaic': out and d_out must have q's shape {q.shape}, got {out.shape}, "
+            f"{d_out.shape}"
+        )
+    if lse.shape != (B, N, T):
+        raise ValueError(f"implementation='mosaic': lse must be [B, N, T] = {(B, N, T)}, got {lse.shape}")
+    need = config.smem_bytes(H)
+    if need > config_lib.SMEM_BYTES:
+        raise ValueError(
+            f"implementation='mosaic': {config} needs {need} bytes of shared memory for head dim {H}, "
+            f"more than the {config_lib.SMEM_BYTES} a Hopper thread block has; lower num_stages "
+            f"(default_config({H}) fits)"
+        )
+
+
+def _pad(x, axis, length, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def backward(
+    q, k, v, out, lse, d_out, vis: Visibility, *, scale: float, config: BackwardConfig | None = None
+):
+    """(dq, dk, dv), in the dtypes of q, k, v, of the attention of q against k/v where ``vis``
+    allows, whose (possibly merged) output and natural-log log-sum-exp are ``out`` and ``lse``;
+    ``d_out`` is the cotangent of ``out``. See the module docstring."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
+    if config is None:
+        config = default_config(q.shape[-1] if q.ndim == 4 else 0)
+    check(q, k, v, out, lse, d_out, vis, config)
+    if jax.default_backend() == "gpu":
+        config_lib.check_device()
+    B, T, N, H = q.shape
+    L, K = k.shape[1:3]
+    bq, bk, S = config.block_q, config.block_k, config.num_stages
+    via_smem = config.operands_via_smem
+    Tp, Lp = tile_plan.cdiv(T, bq) * bq, tile_plan.cdiv(L, bk) * bk
+    dtype = q.dtype
+
+    # delta and the base-2 lse, once in XLA; a row that sees nothing: lse +inf, so P = 0.
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(F32), d_out.astype(F32), precision=lax.Precision.HIGHEST)
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * F32(LOG2E))
+    delta, lse2 = _pad(delta, 2, Tp), _pad(lse2, 2, Tp, jnp.inf)
+    qp, dop = _pad(q, 1, Tp), _pad(d_out.astype(dtype), 1, Tp)
+    kp, vp = _pad(k, 1, Lp), _pad(v, 1, Lp)
+    row_lo, row_hi = (_pad(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
+    col_lo, col_hi = (_pad(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
+    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=bq, inner_block=bk, inner_len=Lp)
+    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=bk, inner_block=bq, inner_len=Tp)
+    plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)
+
+    kw = dict(
+        block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
+        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem,
+    )  # fmt: skip
+    transforms = _smem_transforms(dtype)
+    tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
+    vec = lambda *shape, dt=F32: plgpu.SMEM(shape, dt)
+    bars = lambda n: plgpu.Barrier(num_barriers=n)
+    launch = dict(
+        num_threads=2, thread_name="wg", grid_names=("head", "batch", "tile"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )  # fmt: skip
+
+    # fmt: off
+    dq_scratch = [
+        tiles(bq, H), tiles(bq, H), vec(bq), vec(bq), vec(bq, dt=I32), vec(bq, dt=I32),  # resident
+        tiles(S, bk, H), tiles(S, bk, H),  # the K/V ring
+        *([tiles(bq, bk)] if via_smem else []),  # dS
+        bars(6), bars(S), bars(S), bars(S),  # resident loaded; K, V loaded; slot free
+    ]
+    dkv_scratch = [
+        tiles(bk, H), tiles(bk, H), vec(bk, dt=I32), vec(bk, dt=I32),  # resident
+        tiles(S, bq, H), tiles(S, bq, H), vec(S, bq), vec(S, bq),  # the Q/dO/lse/delta ring
+        *([tiles(bk, bq), tiles(bk, bq)] if via_smem else []),  # P^T, dS^T
+        bars(4), bars(S), bars(S), bars(S), bars(S), bars(S),  # resident; Q, dO, lse, delta; free
+    ]
+    # fmt: on
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, **kw),
+        out_type=jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
+        scratch_types=dq_scratch,
+        grid=(N, B, Tp // bq),
+        **launch,
+    )(qp, kp, vp, dop, lse2, delta, row_lo, row_hi, *plan(rows))
+
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, **kw),
+        out_type=(jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2,
+        scratch_types=dkv_scratch,
+        grid=(K, B, Lp // bk),
+        **launch,
+    )(qp, kp, vp, dop, lse2, delta, col_lo, col_hi, *plan(cols))
+    return dq[:, :T], dk[:, :L], dv[:, :L]
