@@ -11,7 +11,10 @@ concatenated, which a real rank's transfer replaces): timed alone too, and print
 the JSON (t_stand_in_gather_ms), not subtracted.
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
-bf16, batch 1, 32 query heads of 128 (--heads, --head-dim).
+bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). --window W and --documents L give
+both sides a causal sliding window of W keys and packed documents of L tokens (the rank then
+runs the masked kernels implementation=None picks; the unsharded call takes the documents as
+jax.nn.dot_product_attention's boolean mask).
 
 Times are read the same way for both sides: every program of one S and KV count (the unsharded
 call, each rank's, the stand-in) is compiled and run once, the unsharded call then keeps the GPU
@@ -42,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import step_profile  # noqa: E402
 
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
-from jax_cpgrad.attention.transfer import NoTransfer  # noqa: E402
+from jax_cpgrad.attention.emulation import NoTransfer  # noqa: E402
 
 
 def parse_tokens(text: str) -> int:
@@ -99,14 +102,28 @@ def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0, dt
     return q, k, v, ct
 
 
+def document_ids(seq: int, length: int | None):
+    """int32 [1, seq] segment ids of documents of ``length`` tokens (None: no documents)."""
+    return None if length is None else (jnp.arange(seq, dtype=jnp.int32) // length)[None]
+
+
 def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
     full = inputs(seq, opts.heads, kv_heads, opts.head_dim)
+    ids = document_ids(seq, opts.documents)
+    mask = None if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None]
     unsharded = fwd_bwd(
         lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=opts.implementation
-        )
+            q,
+            k,
+            v,
+            is_causal=True,
+            implementation=opts.implementation,
+            mask=mask,
+            local_window_size=opts.window,
+        )  # fmt: skip
     )
     programs: dict = {"unsharded": (unsharded, full)}  # key -> (jitted function, its arguments)
+    rank_impl = opts.implementation if ids is None and opts.window is None else None  # cuDNN takes no masks
     layouts = []  # (n, chunk, ranks measured)
     for n in ns:
         local = seq // n
@@ -115,10 +132,12 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
             continue
         data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
         step = fwd_bwd(
-            lambda q, k, v, rank, n=n: rank_without_transfer(
-                q, k, v, rank, n, implementation=opts.implementation
+            lambda q, k, v, rank, n=n, local=local: rank_without_transfer(
+                q, k, v, rank, n, segment_ids=None if ids is None else ids[:, :local],
+                local_window_size=opts.window,
+                implementation=rank_impl,
             )
-        )
+        )  # fmt: skip
         # One compiled program for every rank: the rank is a runtime value.
         ranks = sorted({0, n // 2, n - 1})
         programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
@@ -286,6 +305,8 @@ def main(argv=None) -> int:
         choices=["cudnn", "xla"],
         help="default: cudnn on a GPU, xla elsewhere (a smoke run)",
     )
+    p.add_argument("--window", type=int, help="a causal sliding window of this many keys to the left")
+    p.add_argument("--documents", type=int, help="packed documents of this many tokens each")
     p.add_argument("--json")
     p.add_argument("--png")
     opts = p.parse_args(argv)
@@ -299,7 +320,7 @@ def main(argv=None) -> int:
     say(f"N x t_rank / t_unsharded (ideal 1.00):\n{table(rows)}")
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-        implementation=opts.implementation,
+        implementation=opts.implementation, window=opts.window, documents=opts.documents,
         command=" ".join(sys.argv),
     )  # fmt: skip
     if opts.json:

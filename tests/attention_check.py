@@ -1,6 +1,10 @@
 """The CP attention layer against unsharded ``jax.nn.dot_product_attention``: one run of every
 rank on a mesh, its output and q/k/v gradients put back in natural order, and the largest error
 of each relative to the reference's largest magnitude. Shared by the CPU tests and the GPU worker.
+
+Masks: ``is_causal`` and ``local_window_size`` are jax's own; documents (``segment_ids``, natural
+order ``[B, S]``) become jax's boolean ``mask``, built here in numpy from the runs of equal ids
+(each contiguous run one document), independently of the layer's code.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_cpgrad as cpg
+from jax_cpgrad.attention import layer as attention_layer
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -25,11 +30,46 @@ def random_inputs(seq: int, *, batch=1, heads=4, kv_heads=2, head_dim=16, dtype=
     return tuple(np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v, ct))
 
 
-def reference(q, k, v, ct, *, causal=True, scale=None):
-    """Output and q/k/v gradients of the unsharded attention, float32, XLA."""
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    out, vjp = jax.vjp(attend, q, k, v)
-    return dict(zip(NAMES, (np.asarray(x) for x in (out, *vjp(ct))), strict=True))
+def reference(q, k, v, ct, *, causal=True, scale=None, segment_ids=None, local_window_size=None, dtype=None):
+    """Output and q/k/v gradients of the unsharded attention, XLA, float32 (or, with ``dtype``,
+    computed in that dtype and returned as float32: a kernel's own error)."""
+    mask = None if segment_ids is None else document_mask(segment_ids)[:, None]
+    attend = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, mask=mask, local_window_size=local_window_size
+    )
+    arrays = (q, k, v, ct) if dtype is None else tuple(jnp.asarray(x, dtype) for x in (q, k, v, ct))
+    out, vjp = jax.vjp(attend, *arrays[:3])
+    return dict(
+        zip(NAMES, (np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, *vjp(arrays[3]))), strict=True)
+    )
+
+
+def document_mask(segment_ids) -> np.ndarray:
+    """bool [B, S, S]: query and key in the same contiguous run of equal ids (natural order)."""
+    ids = np.asarray(segment_ids)
+    runs = np.concatenate([np.zeros_like(ids[:, :1]), np.cumsum(ids[:, 1:] != ids[:, :-1], axis=1)], axis=1)
+    return runs[:, :, None] == runs[:, None, :]
+
+
+def documents(kind: str, seq: int, batch: int, *, chunk: int, seed: int = 0) -> np.ndarray:
+    """Natural-order segment ids [batch, seq] of a named layout, for chunks of ``chunk`` tokens."""
+    rng = np.random.default_rng(seed)
+    if kind == "one":
+        return np.full((batch, seq), 7, np.int32)
+    if kind == "short":  # many documents of a few tokens
+        return np.cumsum(rng.random((batch, seq)) < 0.4, axis=1).astype(np.int32)
+    if kind == "crossing":  # 1.5 chunks each: documents across chunk and rank boundaries
+        return (np.arange(seq)[None] // (3 * chunk // 2) + np.arange(batch)[:, None]).astype(np.int32)
+    if kind == "one_token":  # one-token documents at both ends and at the end of a chunk
+        ids = np.repeat(np.arange(seq)[None] // (2 * chunk + 3), batch, axis=0).astype(np.int32) + 10
+        ids[:, 0], ids[:, chunk - 1], ids[:, -1] = 0, 1, 99
+        return ids
+    if kind == "repeated":  # an id in two separate runs is two documents (runs of 5, ids cycling)
+        return (np.arange(seq)[None] // 5 % 3 + np.zeros((batch, 1), int)).astype(np.int32)
+    if kind == "nan_bits":  # ids whose float32 bit patterns are NaNs and infinities, in the transport
+        values = np.array([-1, 0x7FC00000, 0x7F800001, 0x7F800000, -0x800000, 3], np.int64).astype(np.int32)
+        return values[np.arange(seq)[None] // 7 % len(values) + np.zeros((batch, 1), int)]
+    raise ValueError(kind)
 
 
 def cp_layer(
@@ -43,28 +83,38 @@ def cp_layer(
     remat=False,
     scale=None,
     head_groups=1,
+    segment_ids=None,
+    local_window_size=None,
+    transfer_when_alone=False,
 ):
     """The layer's output and gradients, as {name: {rank: local rows}} for the ranks this process
-    holds (numpy float32; no collective gathers them: XLA's refuse ranks that share a GPU)."""
+    holds (numpy float32; no collective gathers them: XLA's refuse ranks that share a GPU).
+    ``segment_ids``: natural-order ``[B, S]`` ids, placed in CP layout like the inputs."""
     layer = functools.partial(
-        cpg.dot_product_attention,
+        attention_layer.attention,
         axis_name="cp",
         workspace=workspace,
         is_causal=causal,
         implementation=implementation,
         scale=scale,
         head_groups=head_groups,
+        local_window_size=local_window_size,
+        transfer_when_alone=transfer_when_alone,
     )
     if remat:
         layer = jax.checkpoint(layer)
 
-    def body(q, k, v, ct):
-        out, vjp = jax.vjp(layer, q, k, v)
+    def body(q, k, v, ct, *ids):
+        attend = lambda q, k, v: layer(q, k, v, segment_ids=ids[0] if ids else None)
+        out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(ct))
 
     spec = P(None, "cp")
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    return dict(zip(NAMES, (local_rows(o) for o in step(*place(mesh, inputs, dtype))), strict=True))
+    placed = place(mesh, inputs, dtype)
+    if segment_ids is not None:
+        placed += place(mesh, [np.asarray(segment_ids)], np.asarray(segment_ids).dtype)
+    return dict(zip(NAMES, (local_rows(o) for o in step(*placed)), strict=True))
 
 
 def place(mesh, arrays, dtype, seq_axis: int = 1) -> list:

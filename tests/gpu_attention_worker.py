@@ -1,12 +1,13 @@
 """The CP attention layer on real GPUs, one process per CP rank (several ranks may share a GPU).
 
-    python tests/gpu_attention_worker.py values,schedule            # N = 1 in this process
+    python tests/gpu_attention_worker.py values,schedule            # R = 1 in this process
     python -m jax_cpgrad.launch -n 2 tests/gpu_attention_worker.py values
 
 JAX_CPGRAD_TEST_PROTOCOL (auto, device, memop) picks the workspace's protocol. Each scenario
 prints one line ``RESULT {json}`` with named checks (tests/test_gpu_attention.py reads them).
-At N = 1 the layer normally needs no transfer; these scenarios turn that shortcut off, so that
-the transfer's path (two chunks, gather and return on the workspace) runs on one GPU.
+At R = 1 the layer normally needs no transfer; these scenarios turn that shortcut off
+(``transfer_when_alone``), so that the transfer's path (two chunks, gather and return on the
+workspace) runs on one GPU. Masked calls (documents, windows) have no transfer at R = 1.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hlo_schedule
 import jax_cpgrad as cpg
 from gpu_support import run_scenarios
 from jax_cpgrad import _testing, launch
-from jax_cpgrad.attention import layer
+from jax_cpgrad.attention import layer as attention_layer
 from spmd import cp_mesh
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
@@ -49,6 +50,11 @@ def _workspace(mesh, *, overlap: bool):
     return cpg.Workspace(
         mesh, "cp", nbytes=cpg.attention_workspace_nbytes(key), protocol=PROTOCOL, overlap=overlap
     )
+
+
+def _cp_layer(mesh, inputs, **kw):
+    """attention_check.cp_layer in bfloat16, the transfer's path taken at R = 1 too."""
+    return ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, transfer_when_alone=True, **kw)
 
 
 def _result(checks: dict, **info) -> dict:
@@ -86,8 +92,8 @@ def values(mesh, n):
         runs = {}
         for overlap in (False, True):
             with _workspace(mesh, overlap=overlap) as ws:
-                first = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal, workspace=ws)
-                second = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal, workspace=ws)
+                first = _cp_layer(mesh, inputs, causal=causal, workspace=ws)
+                second = _cp_layer(mesh, inputs, causal=causal, workspace=ws)
                 protocol = ws.protocol
             tag = f"{'causal' if causal else 'full'}_{'overlap' if overlap else 'plain'}"
             errors[tag] = ac.relative_errors(first, ref)
@@ -98,7 +104,7 @@ def values(mesh, n):
             runs[False], runs[True]
         )
         if jax.process_count() == 1:  # XLA's collectives refuse ranks that share a GPU
-            xla = ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal)
+            xla = _cp_layer(mesh, inputs, causal=causal)
             checks[f"{'causal' if causal else 'full'}_xla_transport_within_tolerance"] = (
                 max(ac.relative_errors(xla, ref).values()) <= BF16_TOLERANCE
             )
@@ -106,8 +112,8 @@ def values(mesh, n):
 
 
 def _layer_step(ws, head_groups: int = 1):
-    layer_fn = lambda q, k, v: cpg.dot_product_attention(
-        q, k, v, axis_name="cp", workspace=ws, head_groups=head_groups
+    layer_fn = lambda q, k, v: attention_layer.attention(
+        q, k, v, axis_name="cp", workspace=ws, head_groups=head_groups, transfer_when_alone=True
     )
 
     def body(q, k, v, ct):
@@ -177,8 +183,7 @@ def head_groups(mesh, n):
             inputs = _inputs(n, seed=40 + causal)
             tag = "causal" if causal else "full"
             grouped, whole = (
-                ac.cp_layer(mesh, inputs, dtype=jnp.bfloat16, causal=causal, workspace=ws, head_groups=g)
-                for g in (2, 1)
+                _cp_layer(mesh, inputs, causal=causal, workspace=ws, head_groups=g) for g in (2, 1)
             )
             errors[tag] = ac.relative_errors(grouped, ac.reference(*inputs, causal=causal))
             checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
@@ -234,7 +239,11 @@ def vmapped_layer(mesh, per_slice, *, causal: bool, workspace):
     slice, {name: {rank: local rows}} of the output and gradients held by this process."""
     n = mesh.shape["cp"]
     layer_fn = functools.partial(
-        cpg.dot_product_attention, axis_name="cp", workspace=workspace, is_causal=causal
+        attention_layer.attention,
+        axis_name="cp",
+        workspace=workspace,
+        is_causal=causal,
+        transfer_when_alone=True,
     )
 
     def one(q, k, v, ct):
@@ -252,19 +261,44 @@ def vmapped_layer(mesh, per_slice, *, causal: bool, workspace):
     return [{name: rows(o, i) for name, o in zip(ac.NAMES, outs, strict=True)} for i in range(len(per_slice))]
 
 
+def masks(mesh, n):
+    """Documents across chunk and rank boundaries with a window (causal: 1.5 chunks to the left;
+    full: half a chunk left, a quarter right), bfloat16 through the masked kernels that
+    implementation=None picks, GQA, on a plain and an overlapped workspace (the segment ids
+    travel over it before K/V): output and q/k/v gradients within 5e-2 of the float32 unsharded
+    attention, and the same on both workspaces (the schedule does not change the arithmetic)."""
+    checks, errors = {}, {}
+    for causal, window in ((True, (3 * CHUNK // 2, 0)), (False, (CHUNK // 2, CHUNK // 4))):
+        inputs = _inputs(n, seed=60 + causal)
+        ids = ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK)
+        mask = dict(causal=causal, segment_ids=ids, local_window_size=window)
+        ref = ac.reference(*inputs, **mask)
+        runs = {}
+        for overlap in (False, True):
+            with _workspace(mesh, overlap=overlap) as ws:
+                runs[overlap] = _cp_layer(mesh, inputs, workspace=ws, **mask)
+            tag = f"{'causal' if causal else 'full'}_{'overlap' if overlap else 'plain'}"
+            errors[tag] = ac.relative_errors(runs[overlap], ref)
+            checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
+        checks[f"{'causal' if causal else 'full'}_overlap_{SAME}_as_plain"] = _same_results(
+            runs[False], runs[True]
+        )
+    return _result(checks, errors=errors)
+
+
 SCENARIOS = {
     "values": values,
     "schedule": schedule,
     "schedule_unjoined": schedule_unjoined,
     "head_groups": head_groups,
     "vmapped": vmapped,
+    "masks": masks,
 }
 
 
 def main(names: list[str]) -> int:
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         launch.initialize()
-    layer.SKIP_TRANSFER_WHEN_ALONE = False
     code = run_scenarios(SCENARIOS, names, cp_mesh(platform="gpu"))
     launch.finish(code, timeout_s=120)  # together: rank 0 hosts the coordination service
 

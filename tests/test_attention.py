@@ -1,9 +1,9 @@
 """jax_cpgrad.dot_product_attention on CPU devices against unsharded jax.nn.dot_product_attention:
-values and q/k/v gradients for N = 1, 2, 4, 8, causal and not, MHA, GQA and MQA, float32 and
-bfloat16, under jit, grad and jax.checkpoint; the public fallback; the bad inputs it refuses."""
+values and q/k/v gradients for R = 1, 2, 4, 8 ranks (``n`` here), causal and not, MHA, GQA and
+MQA, float32 and bfloat16, under jit, grad and jax.checkpoint; the cuDNN code path through
+stand-in primitives; the bad inputs it refuses. Documents and windows: test_attention_masks.py."""
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ import pytest
 
 import attention_check as ac
 import jax_cpgrad as cpg
-from jax_cpgrad.attention import kernels, layer
+from jax_cpgrad.attention import kernels
 from spmd import cp_mesh
 from workspace_stub import workspace_spec
 
@@ -74,11 +74,10 @@ def test_head_groups_under_jax_checkpoint_and_bfloat16():
     _check(4, heads="mha", dtype=jnp.bfloat16, chunk=16, head_groups=2, remat=True)
 
 
-def test_the_split_path_at_n1(monkeypatch):
-    """At N = 1 the layer is one attention call; the two-part path (what the transfer's path
-    runs at N = 1 on one GPU) must be exact too."""
-    monkeypatch.setattr(layer, "SKIP_TRANSFER_WHEN_ALONE", False)
-    _check(1)
+def test_the_split_path_at_n1():
+    """At R = 1 the layer is one attention call; the two-part path (what the transfer's path
+    runs at R = 1 on one GPU, transfer_when_alone) must be exact too."""
+    _check(1, transfer_when_alone=True)
 
 
 def test_grad_of_a_loss_through_the_layer():
@@ -111,23 +110,10 @@ def test_same_bits_every_run():
             assert np.array_equal(rows, second[name][rank]), (name, rank)
 
 
-def test_public_fallback_when_the_private_cudnn_binds_are_missing(monkeypatch):
-    """Without jax's private cuDNN primitives, implementation='cudnn' falls back to public
-    jax.nn.dot_product_attention with a mask (XLA's on the CPU), warning once what it costs."""
-    monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)  # as on an H200
-    monkeypatch.setattr(kernels, "cudnn_binds", lambda: None)
-    monkeypatch.setattr(layer, "_warned_public_path", False)
-    with pytest.warns(UserWarning, match="falls back to jax.nn.dot_product_attention"):
-        _check(4, dtype=jnp.bfloat16, chunk=16, implementation="cudnn")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        _check(2, causal=False, dtype=jnp.bfloat16, chunk=16, implementation="cudnn")
-
-
 def test_the_private_cudnn_binds_are_found_on_this_jax():
     """The fast path's dependency on jax internals: found on every supported jax (the CPU suite
     runs the newest, the GPU machine the oldest); a jax that changes them fails here first."""
-    assert kernels.cudnn_binds() is not None, (
+    assert kernels.cudnn.binds() is not None, (
         f"jax {jax.__version__}: private cuDNN attention binds not found"
     )
 
@@ -169,7 +155,7 @@ class _FakeCudnnPrimitives:
         class Fwd:
             @staticmethod
             def bind(q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, *, mask_type, scale, **_):
-                out, lse = kernels._xla_forward(q, k, v, **fake._args(mask_type, scale, kv_len))
+                out, lse = kernels.xla.forward(q, k, v, **fake._args(mask_type, scale, kv_len))
                 return fake._past_q_len(out, q_len, 1), fake._past_q_len(lse, q_len, 2)
 
         class Bwd:
@@ -177,9 +163,7 @@ class _FakeCudnnPrimitives:
             def bind(
                 q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, lse, o, do, *, mask_type, scale, **_
             ):
-                dq, dk, dv = kernels._xla_backward(
-                    q, k, v, o, lse, do, **fake._args(mask_type, scale, kv_len)
-                )
+                dq, dk, dv = kernels.xla.backward(q, k, v, o, lse, do, **fake._args(mask_type, scale, kv_len))
                 if kv_len.size:  # unspecified rows, as cuDNN leaves them
                     pad = (jnp.arange(k.shape[1]) >= kv_len[:, None])[:, :, None, None]
                     dk, dv = (jnp.where(pad, jnp.nan, g) for g in (dk, dv))
@@ -215,12 +199,11 @@ def test_the_cudnn_code_path_with_stand_in_primitives(
     monkeypatch, n, split_alone, causal, heads, head_groups
 ):
     fake = _FakeCudnnPrimitives()
-    monkeypatch.setattr(kernels, "cudnn_binds", lambda: (fake, {}))
-    monkeypatch.setattr(layer, "cudnn_max_head_dim", lambda: 256)
-    monkeypatch.setattr(layer, "SKIP_TRANSFER_WHEN_ALONE", not split_alone)
+    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
     _check(
         n, causal=causal, heads=heads, dtype=jnp.float16, chunk=16, batch=2, implementation="cudnn",
-        scale=0.3, head_groups=head_groups,
+        scale=0.3, head_groups=head_groups, transfer_when_alone=split_alone,
     )  # fmt: skip
     jax.effects_barrier()
     assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cpgrad as cpg
-from jax_cpgrad.attention import layer as attention_layer
+from jax_cpgrad.attention import kernels
 from spmd import cp_mesh
 from workspace_stub import workspace_spec
 
@@ -25,7 +25,7 @@ P = jax.sharding.PartitionSpec
 @pytest.fixture(autouse=True)
 def as_on_an_h200(monkeypatch):
     """implementation='cudnn' traced here as on an H200 (it refuses a CPU): lowered for CUDA."""
-    monkeypatch.setattr(attention_layer, "cudnn_max_head_dim", lambda: 256)
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
 
 
 def _lowered_targets(ws, remat: bool, causal: bool = True, head_groups: int = 1) -> list[str]:
@@ -67,11 +67,11 @@ def _transfer_targets(suffix: str) -> tuple[str, str, str]:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_local_attention_runs_between_each_transfer_and_its_done(protocol, suffix, remat, causal):
     ws = workspace_spec(4, protocol=protocol, overlap=True)
-    gather, give_back, done = _transfer_targets(suffix)
+    gather, back, done = _transfer_targets(suffix)
     remote_calls = 2 if causal else 1  # causal: the paired and the far call (plan.py)
     forward = [gather, FWD, done] + [FWD] * remote_calls  # start, local part, done, remote part
     # the remote part's backward, the return's start, the local part's backward, the done
-    backward = [BWD] * remote_calls + [give_back, BWD, done]
+    backward = [BWD] * remote_calls + [back, BWD, done]
     recomputed = [FWD] * remote_calls if remat else []
     assert _lowered_targets(ws, remat, causal) == forward + recomputed + backward
 
@@ -84,10 +84,10 @@ def test_head_groups_pipeline_each_transfer_beside_the_previous_groups_work(prot
     part; group 0's dK/dV return beside group 1's remote backward, group 1's beside the local
     backward; each transfer starts after the previous one's done."""
     ws = workspace_spec(4, protocol=protocol, overlap=True)
-    gather, give_back, done = _transfer_targets(suffix)
+    gather, back, done = _transfer_targets(suffix)
     remote = 2 if causal else 1  # kernel calls of one group's remote part
     forward = [gather, FWD, done, gather] + [FWD] * remote + [done] + [FWD] * remote
-    backward = [BWD] * remote + [give_back] + [BWD] * remote + [done, give_back, BWD, done]
+    backward = [BWD] * remote + [back] + [BWD] * remote + [done, back, BWD, done]
     # Under jax.checkpoint the last group's remote part is recomputed; the first group's results
     # are kept with the transfer they ran beside.
     recomputed = [FWD] * remote if remat else []
@@ -115,3 +115,50 @@ def test_at_n1_the_layer_is_one_attention_call_and_no_transfer():
     calls = re.findall(r"custom_call @([\w$]+)\(", text)
     assert calls == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
     assert "all_gather" not in text and "reduce_scatter" not in text
+
+
+def _masked_lowered_text(ws, remat: bool, ranks: int = 4) -> str:
+    """The lowered text of the layer with documents and a window (XLA's masked kernels)."""
+    layer = lambda q, k, v, ids: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", workspace=ws, segment_ids=ids, local_window_size=(20, 0)
+    )
+    if remat:
+        layer = jax.checkpoint(layer)
+
+    def body(q, k, v, ids):
+        out, vjp = jax.vjp(lambda q, k, v: layer(q, k, v, ids), q, k, v)
+        return vjp(out)
+
+    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=P(None, "cp"), out_specs=P(None, "cp")))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+    return step.trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+def test_masked_layer_gathers_the_ids_first_then_kv_beside_the_local_part(remat):
+    """Documents on an overlapped workspace: the segment ids travel first, over the same
+    workspace (a start and its done with nothing between), never beside K/V; then the K/V gather
+    with the local part's masked attention (dot products) between its start and done, and the
+    dK/dV return with the local part's backward between its start and done. Nothing travels
+    twice under jax.checkpoint."""
+    gather, back, done = _transfer_targets("_device")
+    text = _masked_lowered_text(workspace_spec(4, protocol="device", overlap=True), remat)
+    lines = [line for line in text.splitlines() if "custom_call @" in line or "dot_general" in line]
+    events = [
+        re.search(r"custom_call @([\w$]+)\(", line).group(1) if "custom_call" in line else "dot"
+        for line in lines
+    ]
+    calls = [e for e in events if e != "dot"]
+    assert calls == [gather, done, gather, done, back, done], calls
+    starts = [i for i, e in enumerate(events) if e.endswith("_start")]
+    dones = [i for i, e in enumerate(events) if e == done]
+    assert starts[0] + 1 == dones[0]  # the ids: nothing beside them
+    for start, end in zip(starts[1:], dones[1:], strict=True):  # K/V forward, dK/dV backward
+        assert "dot" in events[start:end], events
+
+
+def test_masked_layer_at_r1_moves_nothing():
+    text = _masked_lowered_text(workspace_spec(1, protocol="device", overlap=True), remat=False, ranks=1)
+    assert "jax_cpgrad" not in text and "all_gather" not in text

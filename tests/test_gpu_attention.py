@@ -1,7 +1,8 @@
 """The CP attention layer on a real GPU: bf16 through cuDNN against the float32 unsharded attention,
 the same bits on every run, the overlapped schedule in the compiled program with its negative
-control. N = 1 in one process (device protocol, the transfer's path forced on), and N = 2 and 4
-processes sharing one GPU (stream-memop protocol). Skips, with the reason, without a GPU or a
+control; documents and windows through the masked kernels. R = 1 in one process (device
+protocol, the transfer's path forced on), and R = 2 and 4 processes sharing one GPU (stream-memop
+protocol). Skips, with the reason, without a GPU or a
 CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
 
 The workers run with XLA_FLAGS=--xla_gpu_deterministic_ops=true: cuDNN's attention backward
@@ -45,11 +46,11 @@ def _one_process(scenarios, protocol: str, deterministic: bool = True):
 
 
 def test_layer_n1_device_protocol(gpu):
-    _one_process(["values", "schedule", "vmapped"], "device")
+    _one_process(["values", "schedule", "vmapped", "masks"], "device")
 
 
 def test_layer_head_groups_n1_device_protocol(gpu):
-    """head_groups=2 at N = 1, without the deterministic flag: with it, XLA of jax 0.11.2 fails to
+    """head_groups=2 at R = 1, without the deterministic flag: with it, XLA of jax 0.11.2 fails to
     run this program ("IndexError: absl::container_internal::raw_hash_map<>::at", seen with and
     without command buffers and without the ordering barrier between transfers), so the grouped
     results are compared with one group's within a tolerance (cuDNN's dQ atomics)."""
@@ -63,11 +64,11 @@ def test_layer_schedule_fails_without_the_dones_wait(gpu):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_ranks_sharing_one_gpu(gpu, n):
-    scenarios = ["values", "schedule", "vmapped", "head_groups"]
+    scenarios = ["values", "schedule", "vmapped", "head_groups", "masks"]
     # With --xla_gpu_deterministic_ops=true, XLA (jax 0.11.2) fails to run the layer's step for
     # processes sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
     # execute_sharded), so here two runs are compared within a tolerance (cuDNN's dQ atomics);
-    # the same bits every run are checked at N = 1 (test_layer_n1_device_protocol).
+    # the same bits every run are checked at R = 1 (test_layer_n1_device_protocol).
     env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop"}
     try:
         results = launch.launch(

@@ -1,5 +1,5 @@
 """The README's support matrix of the attention layer says what the code does: its dtypes, its
-cuDNN dtypes, its implementations, its tested N and its determinism flag, read from the code
+cuDNN dtypes, its implementations, its tested R and its determinism flag, read from the code
 and the tests, so that the table cannot drift from them."""
 
 import os
@@ -31,12 +31,12 @@ def test_dtypes_row_lists_the_layers_dtypes():
 
 def test_kernels_row_lists_the_cudnn_dtypes():
     for cell in _matrix()["kernels"]:
-        assert f"cuDNN ({_names(kernels.CUDNN_DTYPES)}" in cell and cell.endswith("XLA"), cell
+        assert f"cuDNN ({_names(kernels.cudnn.DTYPES)}" in cell and cell.endswith("XLA"), cell
 
 
 def test_the_implementations_named_are_the_layers():
     named = re.search(r"`implementation=([^`]+)`", SECTION).group(1).split("|")
-    assert {None if n == "None" else n.strip('"') for n in named} == set(layer.IMPLEMENTATIONS)
+    assert {None if n == "None" else n.strip('"') for n in named} == {None, *layer.IMPLEMENTATIONS}
 
 
 def test_the_tested_n_are_the_tests():

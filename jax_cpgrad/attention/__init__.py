@@ -1,14 +1,18 @@
 """The context-parallel attention layer: :func:`dot_product_attention` inside ``jax.shard_map``.
 
-- ``layer.py``: the public function, its checks and the choice of kernels;
-- ``plan.py``: which of a rank's queries meet which keys (a local and a remote part);
-- ``split_attention.py``: the two parts merged by log-sum-exp, the transfer beside the local
-  part (or pipelined over head groups), and the exact backward;
-- ``kernels.py``: one block of attention with its log-sum-exp (cuDNN or XLA);
-- ``transfer.py``: the K/V gather and the dK/dV return, with work beside them;
-- ``public_path.py``: the fallback through public jax API only.
+Imports go one way, down this list:
+
+- ``layer.py``: the public function: its checks, the mask normalised, a kernel chosen;
+- ``emulation.py``: a rank without transfers, for benchmarks (:func:`rank_without_transfer`);
+- ``schedule.py``: the custom VJP: the calls beside the transfers, the log-sum-exp merge of the
+  parts, the exact backward;
+- ``plan.py``: the rank's kernel calls (a local and a remote part), returned as data;
+- ``transfer.py``: the K/V gather, the dK/dV return and the segment ids' gather;
+- ``kernels/``: one block of attention with its log-sum-exp (``contract.py``), XLA and cuDNN;
+- ``masks.py``: causal, windows and documents as data in global positions.
 """
 
-from .layer import attention_workspace_nbytes, dot_product_attention, rank_without_transfer
+from .emulation import rank_without_transfer
+from .layer import attention_workspace_nbytes, dot_product_attention
 
 __all__ = ["attention_workspace_nbytes", "dot_product_attention", "rank_without_transfer"]

@@ -1,26 +1,27 @@
-"""``dot_product_attention``: context-parallel attention of one rank, inside ``jax.shard_map``."""
+"""``dot_product_attention``: context-parallel attention of one rank, inside ``jax.shard_map``.
+
+Here the arguments are checked (all before anything runs), the mask is normalised (``masks.py``)
+and a kernel chosen (``kernels.KERNELS``); ``plan.py`` lays out the rank's calls and
+``schedule.py`` runs them beside the transfers.
+"""
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import api
-from . import kernels, public_path, split_attention
-from .plan import RankPlan
-from .transfer import NoTransfer, OnMeshAxis
+from . import kernels, schedule
+from .masks import normalize_window
+from .plan import RankPlan, id_words
+from .transfer import OnMeshAxis
 
 _FLOAT_DTYPES = tuple(jnp.dtype(d) for d in api.FLOAT_DTYPES)
-IMPLEMENTATIONS = (None, "xla", "cudnn")
-# At N = 1 the local layout is the whole sequence in natural order: no transfer is needed, and
-# the layer is one attention call. Tests turn this off to run the transfer's path at N = 1.
-SKIP_TRANSFER_WHEN_ALONE = True
+IMPLEMENTATIONS = kernels.IMPLEMENTATIONS  # the names implementation= takes (None: the first that can run)
 _NAME = "jax_cpgrad.dot_product_attention"  # in messages
-_warned_public_path = False
-kernels.cudnn_binds()  # looked up once, at import; a jax without them is told at first use
 
 
 def attention_workspace_nbytes(key) -> int:
@@ -31,6 +32,22 @@ def attention_workspace_nbytes(key) -> int:
     if len(shape) != 4:
         raise ValueError(f"attention_workspace_nbytes: key must be [B, T, K, H], got shape {shape}")
     return 2 * int(np.prod(shape)) * jnp.dtype(key.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The layer's static options, checked."""
+
+    scale: float
+    impl: str  # a kernels.KERNELS name
+    causal: bool
+    window: tuple[int, int] | None  # (left, right)
+    documents: bool
+    head_groups: int
+
+    @property
+    def masked(self) -> bool:
+        return self.documents or self.window is not None
 
 
 def _check_shapes(query, key, value) -> None:
@@ -68,64 +85,59 @@ def _check_shapes(query, key, value) -> None:
         )
 
 
-def _choose_implementation(implementation, dtype, head_dim: int) -> str:
-    """'xla', 'cudnn' or 'public' (cuDNN wanted, but this jax lacks the private primitives)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{_NAME}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
-    if implementation == "xla":
-        return "xla"
-    max_head_dim = cudnn_max_head_dim()
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in kernels.CUDNN_DTYPES]:
-        why_not = f"bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-    elif max_head_dim is None:
-        why_not = (
-            f"an NVIDIA GPU of compute capability 8.0 or newer, not {jax.local_devices()[0].device_kind}"
-        )
-    elif head_dim % 8 or head_dim > max_head_dim:
-        why_not = f"a head dim that is a multiple of 8, at most {max_head_dim} on this GPU; got {head_dim}"
-    else:
-        why_not = None
-    if why_not is not None:
-        if implementation == "cudnn":
-            raise ValueError(f"{_NAME}: implementation='cudnn' needs {why_not}")
-        return "xla"
-    if kernels.cudnn_binds() is None:
-        _warn_public_path()
-        return "public"
-    return "cudnn"
-
-
-def cudnn_max_head_dim() -> int | None:
-    """The largest head dim cuDNN flash attention takes on this process's devices (256 from
-    Hopper on, 128 on Ampere), or None where it cannot run (no NVIDIA GPU of compute capability
-    8.0 or newer)."""
-    device = jax.local_devices()[0]
-    if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
-        return None  # the CPU, or ROCm (the primitives lower for CUDA only)
-    try:
-        major = int(str(device.compute_capability).split(".")[0])
-    except (AttributeError, ValueError):
+def _check_segment_ids(segment_ids, query):
+    """The segment ids as int32 words [B, T, W] (``plan.id_words``), or None."""
+    if segment_ids is None:
         return None
-    return None if major < 8 else 256 if major >= 9 else 128
-
-
-def _warn_public_path() -> None:
-    global _warned_public_path
-    if not _warned_public_path:
-        _warned_public_path = True
-        warnings.warn(
-            f"jax_cpgrad.dot_product_attention: jax {jax.__version__} lacks the private cuDNN "
-            "attention primitives the layer uses (jax._src.cudnn.fused_attention_stablehlo), so it "
-            "falls back to jax.nn.dot_product_attention with a boolean mask: exact, but about 1.5x "
-            "the causal attention work plus a mask read (measured 2.7-3.4x slower on an H200), and "
-            "the K/V transfer is not hidden behind attention work. Use jax 0.11.2-0.12.x for the fast path.",
-            stacklevel=4,
+    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+        raise ValueError(f"{_NAME}: segment_ids is not an array: {type(segment_ids).__name__}")
+    if tuple(segment_ids.shape) != tuple(query.shape[:2]):
+        raise ValueError(
+            f"{_NAME}: segment_ids must be [B, T] = {list(query.shape[:2])} (the rank's local ids "
+            f"in CP layout: jax_cpgrad.to_cp_layout of the global ids), got shape {tuple(segment_ids.shape)}"
         )
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{_NAME}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
+    return id_words(segment_ids)
 
 
-def _prepare(query, key, value, scale, implementation, head_groups) -> tuple[float, str]:
-    """Every check of the arrays and options; (the scale, the implementation to run)."""
+def _choose_implementation(implementation, dtype, head_dim: int, masked: bool) -> str:
+    """The kernel to run: ``implementation``, checked, or for None the first of kernels.KERNELS
+    that can run these inputs."""
+    if implementation is None:
+        for kernel in kernels.KERNELS:
+            if kernel.why_not(dtype, head_dim, masked) is None:
+                return kernel.name
+        raise AssertionError("the XLA kernel runs everything")
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        names = " or ".join(repr(name) for name in IMPLEMENTATIONS)
+        raise ValueError(f"{_NAME}: implementation must be None, {names}, got {implementation!r}")
+    kernel = kernels.by_name(implementation)
+    if masked and not kernel.takes_masks:
+        alternatives = " or ".join(
+            f"{k.name!r}" + (f" ({k.where})" if k.where else "") for k in kernels.KERNELS if k.takes_masks
+        )
+        raise ValueError(
+            f"{_NAME}: implementation={implementation!r} takes no documents and no local window "
+            f"(segment_ids, local_window_size); use implementation={alternatives} (or None)"
+        )
+    why_not = kernel.why_not(dtype, head_dim, masked)
+    if why_not is not None:
+        raise ValueError(f"{_NAME}: implementation={implementation!r} needs {why_not}")
+    return implementation
+
+
+def prepare(
+    query, key, value, *, scale, is_causal, segment_ids, local_window_size, implementation, head_groups
+) -> tuple[Options, jax.Array | None]:
+    """Every check of the arrays and options: (the options, the segment ids as int32 words or
+    None)."""
     _check_shapes(query, key, value)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        shown = repr(is_causal) if isinstance(is_causal, (str, int, float)) else type(is_causal).__name__
+        raise ValueError(f"{_NAME}: is_causal must be a Python bool (static), got {shown}")
+    words = _check_segment_ids(segment_ids, query)
+    window = normalize_window(local_window_size, where=f"{_NAME}: local_window_size")
     kv_heads = key.shape[2]
     if not isinstance(head_groups, (int, np.integer)) or isinstance(head_groups, bool) or head_groups < 1:
         raise ValueError(f"{_NAME}: head_groups must be a positive int, got {head_groups!r}")
@@ -138,20 +150,29 @@ def _prepare(query, key, value, scale, implementation, head_groups) -> tuple[flo
         raise ValueError(
             f"{_NAME}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
         )
-    return float(scale), _choose_implementation(implementation, query.dtype, head_dim)
+    masked = words is not None or window is not None
+    impl = _choose_implementation(implementation, query.dtype, head_dim, masked)
+    options = Options(float(scale), impl, bool(is_causal), window, words is not None, int(head_groups))
+    return options, words
 
 
-def _split_config(
-    n: int, is_causal, scale: float, impl: str, transfer, head_groups
-) -> split_attention.Config:
-    """The split computation's configuration for a rank of ``n``, moving K/V with ``transfer``."""
-    plan = RankPlan(n=n, causal=bool(is_causal), split_when_alone=not SKIP_TRANSFER_WHEN_ALONE)
-    return split_attention.Config(
-        plan=plan, scale=scale, impl=impl, transfer=transfer, head_groups=int(head_groups)
+def schedule_config(
+    options: Options, num_ranks: int, transfer, *, transfer_when_alone: bool
+) -> schedule.Config:
+    """The schedule's configuration for a rank of ``num_ranks``, moving data with ``transfer``."""
+    plan = RankPlan(
+        num_ranks=num_ranks,
+        causal=options.causal,
+        window=options.window,
+        documents=options.documents,
+        transfer_when_alone=transfer_when_alone,
+    )
+    return schedule.Config(
+        plan=plan, scale=options.scale, impl=options.impl, transfer=transfer, head_groups=options.head_groups
     )
 
 
-def _check_workspace(spec, axis_name: str, n: int, key) -> None:
+def _check_workspace(spec, axis_name: str, num_ranks: int, key) -> None:
     if spec is None:
         return
     needed = attention_workspace_nbytes(key)
@@ -161,7 +182,7 @@ def _check_workspace(spec, axis_name: str, n: int, key) -> None:
             f"needs {needed} (the local K and V: 2 x {list(key.shape)} x {jnp.dtype(key.dtype).itemsize} "
             "bytes); create it with nbytes=jax_cpgrad.attention_workspace_nbytes(key) or more"
         )
-    spec.check_call(axis_name, n, needed, "dot_product_attention")
+    spec.check_call(axis_name, num_ranks, needed, "dot_product_attention")
 
 
 def dot_product_attention(
@@ -173,6 +194,8 @@ def dot_product_attention(
     workspace=None,
     scale: float | None = None,
     is_causal: bool = True,
+    segment_ids=None,
+    local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
     head_groups: int = 1,
 ):
@@ -184,7 +207,8 @@ def dot_product_attention(
     ``query [B, T, N, H]`` and ``key``/``value [B, T, K, H]`` (N query heads, K key/value heads
     dividing N: MHA, GQA, MQA; the letters are ``jax.nn.dot_product_attention``'s) and gets back
     its rows ``[B, T, N, H]`` of the unsharded attention on the natural-order global arrays, with
-    that attention's gradients.
+    that attention's gradients: ``jax.nn.dot_product_attention`` with ``is_causal``,
+    ``local_window_size`` and the documents' mask together.
 
     K and V are gathered at K heads (never repeated to N) and dK/dV are returned to their owners:
     over the peer transport with ``workspace`` (a :class:`jax_cpgrad.Workspace` on this axis;
@@ -200,60 +224,79 @@ def dot_product_attention(
       axis_name: the CP mesh axis.
       workspace: a ``Workspace`` (peer transport) or None (XLA collectives).
       scale: the scores' scale; default ``1 / sqrt(H)``.
-      is_causal: causal attention (query i sees keys 0..i of the global sequence), or full.
+      is_causal: a Python bool: causal attention (query i sees keys 0..i of the global
+        sequence), or full.
+      segment_ids: packed documents: the rank's local integer ids ``[B, T]`` in CP layout
+        (``to_cp_layout`` of the global ``[B, S]`` ids), or None. A query sees only keys of its own
+        document. A document is a contiguous run of equal ids in the natural order: an id that
+        appears in two separate runs is two documents (``jax.nn.dot_product_attention``'s mask
+        ``q_id == k_id`` would join them). The layer moves the other ranks' ids itself (over the
+        same transport as K/V, before it; a few bytes per token); they get no gradient.
+      local_window_size: as ``jax.nn.dot_product_attention``'s: an int w (w keys on each side) or
+        a pair ``(left, right)``: query p sees keys k with ``p - left <= k <= p + right``;
+        with ``is_causal`` the right side is 0 in effect. None: no window.
       implementation: None, ``"cudnn"`` or ``"xla"``. None is cuDNN flash attention where it can
-        run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head dim it takes)
-        and XLA elsewhere; ``jax.nn.dot_product_attention``'s None means XLA. The softmax and
-        the merge of the parts run in float32 in both.
+        run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head dim it takes,
+        no documents and no window) and XLA elsewhere; ``jax.nn.dot_product_attention``'s None
+        means XLA. The softmax and the merge of the parts run in float32 in both. With documents
+        or a window the calls take a mask (``kernels/contract.py``), which cuDNN's do not.
       head_groups: pipeline the transfer over this many groups of key/value heads (it must
         divide K): group g+1's K/V travel while group g's remote part computes, and group g's
         dK/dV return while group g+1's backward runs, so that only a G-th of the transfer waits
         on the local part. For transfers longer than the local part (many key/value heads,
         small chunks: ``benchmarks/sweeps/attention_overlap_window.py``); it splits every remote
-        kernel call G ways. 1 (the default): no pipeline. Ignored at N = 1 (no transfer).
+        kernel call G ways. 1 (the default): no pipeline. Ignored at R = 1 (no transfer).
+
+    At R = 1 the layer is one attention call and no transfer. With documents or a window each
+    rank's queries meet its own keys (the local part, beside the transfer) and the other ranks'
+    keys (the remote part), each through one masked call; the remote part and the K/V transfer are
+    left out where no query can see another rank's key (a window of (0, 0) in effect).
 
     Raises:
       ValueError: before anything runs, for mismatched shapes or dtypes, query heads that are not
-        a multiple of the key heads, an odd local length, a scale that is not a static number,
-        an axis that is not bound (called outside ``shard_map``), a workspace that is closed, of
-        another axis or too small, ``implementation="cudnn"`` where cuDNN cannot run these
-        inputs, or ``head_groups`` that does not divide the key/value heads.
+        a multiple of the key heads, an odd local length, ``is_causal`` that is not a Python bool,
+        ``segment_ids`` that are not an integer array ``[B, T]``, a ``local_window_size`` that is
+        not None, an int >= 0 or a pair of them, a scale that is not a static number, an axis that
+        is not bound (called outside ``shard_map``), a workspace that is closed, of another axis
+        or too small, an unknown ``implementation``, ``implementation="cudnn"`` where cuDNN cannot
+        run these inputs (or with documents or a window), or ``head_groups`` that does not divide
+        the key/value heads.
     """
-    scale, impl = _prepare(query, key, value, scale, implementation, head_groups)
-    n = api.axis_size(axis_name, "dot_product_attention")
-    spec = api.spec_of(workspace, "dot_product_attention")
-    _check_workspace(spec, axis_name, n, key)
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
-    if impl == "public":
-        return public_path.attention(
-            query, key, value, axis_name=axis_name, spec=spec, rank=rank, n=n, causal=is_causal,
-            scale=scale, implementation=("cudnn" if jax.local_devices()[0].platform == "gpu" else "xla"),
-        )  # fmt: skip
-    cfg = _split_config(n, is_causal, scale, impl, OnMeshAxis(axis_name, spec), head_groups)
-    return split_attention.attention(cfg, query, key, value, rank)
+    return attention(
+        query, key, value, axis_name=axis_name, workspace=workspace, scale=scale, is_causal=is_causal,
+        segment_ids=segment_ids, local_window_size=local_window_size, implementation=implementation,
+        head_groups=head_groups, transfer_when_alone=False,
+    )  # fmt: skip
 
 
-def rank_without_transfer(
+def attention(
     query,
     key,
     value,
-    rank,
-    n: int,
     *,
-    is_causal: bool = True,
+    axis_name: str,
+    transfer_when_alone: bool,
+    workspace=None,
     scale: float | None = None,
-    implementation=None,
+    is_causal: bool = True,
+    segment_ids=None,
+    local_window_size=None,
+    implementation: str | None = None,
     head_groups: int = 1,
 ):
-    """The layer's computation for rank ``rank`` of ``n``, alone: real shapes, a local copy in place
-    of every transfer (the gathered keys are not the other ranks'). To measure a rank's
-    attention work on one device (benchmarks/attention.py); not for training."""
-    scale, impl = _prepare(query, key, value, scale, implementation, head_groups)
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"rank_without_transfer: n must be an int >= 1, got {n!r}")
-    if isinstance(rank, int) and not 0 <= rank < n:
-        raise ValueError(f"rank_without_transfer: rank must be in [0, {n}), got {rank}")
-    if impl == "public":
-        raise ValueError("rank_without_transfer needs the split implementation (xla or cudnn)")
-    cfg = _split_config(n, is_causal, scale, impl, NoTransfer(n), head_groups)
-    return split_attention.attention(cfg, query, key, value, jnp.asarray(rank, jnp.int32))
+    """:func:`dot_product_attention`, which is this with ``transfer_when_alone=False``. With True,
+    at R = 1 plain causal attention takes the transfer's path anyway (two parts, K/V gathered from
+    and dK/dV returned to the rank itself): for tests and benchmarks of the transport on one
+    device. Masked calls have no remote part at R = 1 and ignore it."""
+    options, words = prepare(
+        query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
+        local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
+    )  # fmt: skip
+    num_ranks = api.axis_size(axis_name, "dot_product_attention")
+    spec = api.spec_of(workspace, "dot_product_attention")
+    _check_workspace(spec, axis_name, num_ranks, key)
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    cfg = schedule_config(
+        options, num_ranks, OnMeshAxis(axis_name, spec), transfer_when_alone=bool(transfer_when_alone)
+    )
+    return schedule.attention(cfg, query, key, value, rank, words)

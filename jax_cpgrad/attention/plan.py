@@ -1,148 +1,260 @@
-"""Which of a CP rank's queries meet which keys, in two parts of one static shape on every rank.
+"""Which of a CP rank's queries meet which keys: the rank's kernel calls, returned as data.
 
-Rank r of N holds global chunks r and 2N-1-r (c tokens each) of the queries, keys and values, in
-that order (the load-balanced layout). Its attention is split in two parts:
+Rank r of R holds global chunks r and 2R-1-r (c tokens each) of the queries, keys and values, in
+that order (the load-balanced layout). Its attention is split in two parts, each a few
+:class:`Call` s of one static shape on every rank:
 
-- **local**: what needs only the rank's own keys, so it can run while the others travel.
-  Causal: each query chunk against its own key chunk (the diagonal blocks, causal; the two chunks
-  folded into the batch). Not causal: all the rank's queries against its own 2c keys.
-- **remote**: what needs the gathered keys (natural order, length S = 2Nc). Not causal: all
-  queries against the 2N-2 key chunks of the other ranks. Causal: chunk r sees keys [0, rc) and
-  chunk 2N-1-r sees [0, (2N-1-r)c), in two calls:
+- **local**: what needs only the rank's own keys, so it can run while the others travel;
+- **remote**: what needs the gathered keys (natural order, length S = 2Rc).
+
+Plain calls (causal or full; cuDNN or XLA):
+
+- local. Causal: each query chunk against its own key chunk (the diagonal blocks, causal; the two
+  chunks folded into the batch). Not causal: all the rank's queries against its own 2c keys.
+- remote. Not causal: all queries against the 2R-2 key chunks of the other ranks. Causal: chunk
+  r sees keys [0, rc) and chunk 2R-1-r sees [0, (2R-1-r)c), in two calls:
     * **paired**: the two query chunks against the two halves of the keys (the gathered keys
       as they arrived, seen as two batch entries: no copy): chunk r against the first half's
-      first rc keys, chunk 2N-1-r against the second half's first (N-1-r)c. The counts are
-      run-time values that always add up to N-1 chunks, so the call is the same size on every
+      first rc keys, chunk 2R-1-r against the second half's first (R-1-r)c. The counts are
+      run-time values that always add up to R-1 chunks, so the call is the same size on every
       rank and neither entry waits on the other.
-    * **far**: chunk 2N-1-r against the whole first half (Nc keys), which it always sees: a
+    * **far**: chunk 2R-1-r against the whole first half (Rc keys), which it always sees: a
       static key count, so those keys are copied out and the call needs no mask.
   The far chunk's two results are merged with the local part's by log-sum-exp, and its key
   gradients from the two calls are summed in float32.
 
-At N = 1 the local part is the whole attention (the local layout is the natural order) and there
-is no remote part, unless ``split_when_alone`` (causal only: the tests' way to run the transfer's
-path on one device; then only the far call has keys).
+Masked calls (documents, a window; a :class:`~jax_cpgrad.attention.masks.Visibility` each, from
+global positions and the documents' run ids, ``masks.py``):
+
+- local: all the rank's queries against its own 2c keys (positions r c.., (2R-1-r) c..);
+- remote: all the rank's queries against the other ranks' 2R-2 chunks, in order (positions stay
+  increasing). Left out where no query can see another rank's key: at R = 1, and for a window
+  that keeps each query to its own position.
+
+At R = 1 the local part is the whole attention (the local layout is the natural order) and there
+is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
+benchmarks' way to run the transfer's path on one device; then only the far call has keys).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 
+from .masks import Mask, Visibility, run_ids, visibility
+
 F32 = jnp.float32
+I32 = jnp.int32
+
+# How a call's query rows are taken from the rank's 2c rows (and its results put back):
+# all of them; the two chunks folded into the batch ([2B, c]); the far chunk 2R-1-r alone.
+Rows = Literal["all", "fold", "far"]
+# Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
+# into two halves; the gathered first half; the other ranks' chunks in order (a copy).
+Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One kernel call: its rows, its keys and its mask (plain: ``causal`` and ``kv_len``, int32
+    [entries] or None; masked: ``vis``)."""
+
+    rows: Rows = dataclasses.field(metadata=dict(static=True))
+    keys: Keys = dataclasses.field(metadata=dict(static=True))
+    causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    kv_len: Any = None
+    vis: Visibility | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    local: tuple[Call, ...]
+    remote: tuple[Call, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    n: int
+    num_ranks: int
     causal: bool
-    split_when_alone: bool = False
+    window: tuple[int, int] | None = None  # (left, right), masks.normalize_window's
+    documents: bool = False  # segment ids given
+    transfer_when_alone: bool = False
+
+    @property
+    def masked(self) -> bool:
+        return self.window is not None or self.documents
+
+    @property
+    def mask(self) -> Mask:
+        return Mask(causal=self.causal, window=self.window)
 
     @property
     def has_remote(self) -> bool:
-        return self.n > 1 or (self.split_when_alone and self.causal)
+        if self.masked:
+            mask = self.mask
+            return self.num_ranks > 1 and not (mask.left == 0 and mask.right == 0)
+        return self.num_ranks > 1 or (self.transfer_when_alone and self.causal)
 
     @property
-    def folds_chunks(self) -> bool:
-        """The causal local part takes the two chunks as two batch entries of c rows each."""
-        return self.causal and self.has_remote
+    def gathers_ids(self) -> bool:
+        """The other ranks' segment ids are needed: a document may span several ranks."""
+        return self.documents and self.num_ranks > 1
 
-    # -- local ---------------------------------------------------------------------------------
+    # -- the calls -----------------------------------------------------------------------------
 
-    def local_operands(self, q, k, v):
-        """(q, k, v) of the local part: the rank's queries against its own keys."""
-        if self.folds_chunks:
-            return fold(q), fold(k), fold(v)
-        return q, k, v
-
-    def local_result(self, out, lse):
-        """The local part's (out [B, T, N, H], lse [B, N, T])."""
-        return (unfold(out), unfold_lse(lse)) if self.folds_chunks else (out, lse)
-
-    def local_grads(self, dq, dk, dv):
-        return tuple(unfold(g) for g in (dq, dk, dv)) if self.folds_chunks else (dq, dk, dv)
-
-    def local_cotangents(self, out, lse, d_out):
-        """The merged output, log-sum-exp and output cotangent, shaped like the local part."""
-        if self.folds_chunks:
-            return fold(out), fold_lse(lse), fold(d_out)
-        return out, lse, d_out
-
-    # -- remote --------------------------------------------------------------------------------
-
-    def remote_forward(self, forward, q, k_glob, v_glob, rank):
-        """The remote part as (out [B, T, N, H], lse [B, N, T]) pairs to merge with the local
-        part's; ``forward(q, k, v, kv_len)`` is one kernel call without a causal mask."""
+    def calls(self, q, rank, words=None) -> Calls:
+        """The rank's calls for its queries ``q [B, 2c, N, H]``; ``words``: the segment ids of the
+        whole sequence in natural order, as int32 words ``[B, S, W]`` (``id_words``), or None."""
+        if self.masked:
+            return self._masked_calls(q.shape[1] // 2, rank, words)
+        if self.causal and self.has_remote:
+            local: tuple[Call, ...] = (Call("fold", "own_fold", causal=True),)
+        else:
+            local = (Call("all", "own", causal=self.causal),)
+        if not self.has_remote:
+            return Calls(local, ())
         if not self.causal:
-            return [forward(q, self._others(k_glob, rank), self._others(v_glob, rank), None)]
-        parts = []
-        if self.n > 1:
-            out, lse = forward(fold(q), fold(k_glob), fold(v_glob), self._paired_lengths(q, rank))
-            parts.append((unfold(out), unfold_lse(lse)))
-        out, lse = forward(_far(q), _first_half(k_glob), _first_half(v_glob), None)
-        parts.append((_on_far_rows(out, 0), _on_far_rows(lse, -jnp.inf, -1)))
-        return parts
+            return Calls(local, (Call("all", "others"),))
+        far = Call("far", "first_half")
+        if self.num_ranks == 1:
+            return Calls(local, (far,))
+        return Calls(local, (Call("fold", "gathered_fold", kv_len=self._paired_lengths(q, rank)), far))
 
-    def remote_backward(self, backward, q, k_glob, v_glob, out, lse, d_out, rank):
-        """The remote part's (dq [B, T, N, H] float32, dk, dv [B, S, K, H] natural order, zero
-        where the part read no key), each the float32 sum of its calls' gradients, the key
-        gradients rounded once to their dtype; ``backward(q, k, v, out, lse, d_out, kv_len)`` is
-        one kernel call."""
-        if not self.causal:
-            dq, dk, dv = backward(
-                q, self._others(k_glob, rank), self._others(v_glob, rank), out, lse, d_out, None
-            )
-            return dq.astype(F32), self._spread(dk, rank), self._spread(dv, rank)
-        grads = []
-        if self.n > 1:
-            dq, dk, dv = backward(
-                fold(q), fold(k_glob), fold(v_glob), fold(out), fold_lse(lse), fold(d_out),
-                self._paired_lengths(q, rank),
-            )  # fmt: skip
-            grads.append((unfold(dq), unfold(dk), unfold(dv)))
-        dq, dk, dv = backward(
-            _far(q), _first_half(k_glob), _first_half(v_glob), _far(out), _far(lse, -1), _far(d_out), None
-        )
-        grads.append((_on_far_rows(dq, 0), _on_first_half(dk), _on_first_half(dv)))
-        total = lambda xs: sum(x.astype(F32) for x in xs)
-        dq, dk, dv = (total(list(g)) for g in zip(*grads, strict=True))
-        return dq, dk.astype(k_glob.dtype), dv.astype(v_glob.dtype)
+    def _masked_calls(self, c: int, rank, words) -> Calls:
+        mask, q_pos = self.mask, self._own_positions(c, rank)
+        runs = None if words is None else runs_of(words)
+        own_runs = None if runs is None else self._own(runs, rank)
+        local = (Call("all", "own", vis=visibility(mask, q_pos, q_pos, own_runs, own_runs)),)
+        if not self.has_remote:
+            return Calls(local, ())
+        k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
+        k_runs = None if runs is None else self._others(runs, rank)
+        return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
+
+    def _own_positions(self, c: int, rank):
+        """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
+        first = jnp.asarray(rank, I32) * c
+        second = (2 * self.num_ranks - 1 - jnp.asarray(rank, I32)) * c
+        return jnp.concatenate([first + jnp.arange(c, dtype=I32), second + jnp.arange(c, dtype=I32)])
 
     def _paired_lengths(self, q, rank):
         """The paired call's key counts, int32 [2B] (b-major, as ``fold``): chunk r sees rc keys
-        of the first half, chunk 2N-1-r sees (N-1-r)c of the second."""
+        of the first half, chunk 2R-1-r sees (R-1-r)c of the second."""
         c = q.shape[1] // 2
-        pair = jnp.stack([rank * c, (self.n - 1 - rank) * c]).astype(jnp.int32)
+        pair = jnp.stack([rank * c, (self.num_ranks - 1 - rank) * c]).astype(I32)
         return jnp.tile(pair, q.shape[0])
 
+    # -- rows ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def take_rows(call: Call, x):
+        """The call's query rows of ``x [B, 2c, ...]`` (queries, outputs, their cotangents)."""
+        if call.rows == "fold":
+            return fold(x)
+        return _far(x) if call.rows == "far" else x
+
+    @staticmethod
+    def take_lse(call: Call, lse):
+        """The call's rows of a log-sum-exp ``[B, N, 2c]``."""
+        if call.rows == "fold":
+            return fold_lse(lse)
+        return _far(lse, -1) if call.rows == "far" else lse
+
+    @staticmethod
+    def put_rows(call: Call, x, fill):
+        """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have."""
+        if call.rows == "fold":
+            return unfold(x)
+        return _on_far_rows(x, fill) if call.rows == "far" else x
+
+    @staticmethod
+    def put_lse(call: Call, lse):
+        """The call's log-sum-exp as ``[B, N, 2c]`` (-inf in the rows it does not have)."""
+        if call.rows == "fold":
+            return unfold_lse(lse)
+        return _on_far_rows(lse, -jnp.inf, -1) if call.rows == "far" else lse
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def take_keys(self, call: Call, own, gathered, rank):
+        """The call's keys (or values) from the rank's own ``[B, 2c, ...]`` or the gathered
+        ``[B, S, ...]`` ones."""
+        if call.keys == "own":
+            return own
+        if call.keys == "own_fold":
+            return fold(own)
+        if call.keys == "gathered_fold":
+            return fold(gathered)
+        return _first_half(gathered) if call.keys == "first_half" else self._others(gathered, rank)
+
+    def put_key_grads(self, call: Call, g, rank):
+        """The call's key (or value) gradients as the rank's own ``[B, 2c, ...]`` (local calls) or
+        over the gathered ``[B, S, ...]`` (remote calls, zero where the call read no key)."""
+        if call.keys in ("own_fold", "gathered_fold"):
+            return unfold(g)
+        if call.keys == "first_half":
+            return _on_first_half(g)
+        return self._spread(g, rank) if call.keys == "others" else g
+
+    def _own(self, x, rank):
+        """The rank's two chunks of ``x [B, S, ...]`` (natural order): [B, 2c, ...]."""
+        chunks = jnp.stack([jnp.asarray(rank, I32), 2 * self.num_ranks - 1 - jnp.asarray(rank, I32)])
+        return self._take_chunks(x, chunks)
+
     def _others(self, x, rank):
-        """The 2N-2 key chunks of the other ranks, in order: [B, (2N-2)c, ...]."""
+        """The 2R-2 chunks of the other ranks, in order: [B, (2R-2)c, ...]."""
+        return self._take_chunks(x, self._other_chunks(rank))
+
+    def _take_chunks(self, x, chunks):
         b = x.shape[0]
-        return jnp.take(_chunked(x, 2 * self.n), self._other_chunks(rank), axis=1).reshape(
-            b, -1, *x.shape[2:]
-        )
+        return jnp.take(_chunked(x, 2 * self.num_ranks), chunks, axis=1).reshape(b, -1, *x.shape[2:])
 
     def _spread(self, g, rank):
-        """[B, (2N-2)c, ...] of the other chunks -> [B, S, ...] natural order, zero in the rank's
+        """[B, (2R-2)c, ...] of the other chunks -> [B, S, ...] natural order, zero in the rank's
         own chunks: a gather from the chunks and one zero chunk (a scatter would be a sort under
         --xla_gpu_deterministic_ops)."""
-        b = g.shape[0]
-        chunks = g.reshape(b, 2 * self.n - 2, -1, *g.shape[2:])
+        b, r2 = g.shape[0], 2 * self.num_ranks
+        chunks = g.reshape(b, r2 - 2, -1, *g.shape[2:])
         chunks = jnp.concatenate([chunks, jnp.zeros_like(chunks[:, :1])], axis=1)
-        j = jnp.arange(2 * self.n)
-        own = (j == rank) | (j == 2 * self.n - 1 - rank)
-        where = jnp.where(own, 2 * self.n - 2, j - (j > rank) - (j > 2 * self.n - 1 - rank))
+        j = jnp.arange(r2)
+        own = (j == rank) | (j == r2 - 1 - rank)
+        where = jnp.where(own, r2 - 2, j - (j > rank) - (j > r2 - 1 - rank))
         return jnp.take(chunks, where, axis=1).reshape(b, -1, *g.shape[2:])
 
     def _other_chunks(self, rank):
-        """The 2N-2 global chunks other than r and 2N-1-r, in order (r < 2N-1-r always)."""
-        t = jnp.arange(2 * self.n - 2)
-        return t + (t >= rank) + (t >= 2 * self.n - 2 - rank)
+        """The 2R-2 global chunks other than r and 2R-1-r, in order (r < 2R-1-r always)."""
+        t = jnp.arange(2 * self.num_ranks - 2, dtype=I32)
+        return t + (t >= rank) + (t >= 2 * self.num_ranks - 2 - rank)
+
+
+# -- segment ids -------------------------------------------------------------------------------
+
+
+def id_words(segment_ids):
+    """Integer segment ids ``[B, T]`` as int32 words ``[B, T, W]``, W = 1 (ids of up to 32 bits,
+    cast: an injective map) or 2 (64-bit ids, split): what the transfer moves, bit for bit."""
+    ids = jnp.asarray(segment_ids)
+    if ids.dtype.itemsize > 4:
+        return jax.lax.bitcast_convert_type(ids, I32)
+    return ids.astype(I32)[..., None]
+
+
+def runs_of(words):
+    """int32 ``[B, S]`` run ids (``masks.run_ids``: each contiguous run its own id, never
+    decreasing) of ids given as words ``[B, S, W]``: a run ends where any word changes."""
+    return sum(run_ids(words[..., w]) for w in range(words.shape[-1]))
+
+
+# -- layout helpers ----------------------------------------------------------------------------
 
 
 def _far(x, axis: int = 1):
-    """The rank's second chunk (2N-1-r) along ``axis`` (the queries' rows)."""
+    """The rank's second chunk (2R-1-r) along ``axis`` (the queries' rows)."""
     return jnp.split(x, 2, axis=axis)[1]
 
 
@@ -169,7 +281,7 @@ def _chunked(x, parts: int):
 
 
 def fold(x):
-    """[B, 2c, ...] -> [2B, c, ...] (entries b-major: chunk r then chunk 2N-1-r of each row)."""
+    """[B, 2c, ...] -> [2B, c, ...] (entries b-major: chunk r then chunk 2R-1-r of each row)."""
     return _chunked(x, 2).reshape(-1, x.shape[1] // 2, *x.shape[2:])
 
 

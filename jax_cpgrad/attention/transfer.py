@@ -1,21 +1,32 @@
-"""How the layer moves K/V and dK/dV: each move with given work run while it is in flight.
+"""How the layer moves K/V, dK/dV and segment ids: each move of K/V or dK/dV with given work run
+while it is in flight.
 
-``gather(xs, fn, *args)`` returns ``(all_gather(xs), fn(*args))`` and ``give_back(grads, fn,
-*args)`` returns ``(grad_return(grads), fn(*args))``. On a mesh axis they are jax_cpgrad's
-overlapped calls (peer transport with a workspace, XLA collectives without); ``NoTransfer``
-emulates a rank alone, with the real shapes and a local copy in place of the transfer, to
-measure a rank's attention (benchmarks/attention.py).
+The protocol (:class:`Transfer`): ``gather(xs, fn, *args)`` returns ``(all_gather(xs),
+fn(*args))``; ``return_grads(grads, fn, *args)`` returns ``(grad_return(grads), fn(*args))``;
+``gather_ids(words)`` gathers int32 words ``[B, T, W]`` (the segment ids) into natural order
+``[B, S, W]``, exactly, outside any differentiation. :class:`OnMeshAxis` is jax_cpgrad's
+transport on a mesh axis (peer transport with a workspace, XLA collectives without);
+``emulation.NoTransfer`` stands in for it on one device, to measure a rank's attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-from ..api import all_gather_overlapped, grad_return_overlapped
+from ..api import all_gather, all_gather_overlapped, grad_return_overlapped
 from ..spec import WorkspaceSpec
+
+
+class Transfer(Protocol):
+    def gather(self, xs, fn, *args): ...
+
+    def return_grads(self, grads, fn, *args): ...
+
+    def gather_ids(self, words): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,25 +37,14 @@ class OnMeshAxis:
     def gather(self, xs, fn, *args):
         return all_gather_overlapped(xs, fn, *args, axis_name=self.axis_name, seq_axis=1, workspace=self.spec)
 
-    def give_back(self, grads, fn, *args):
+    def return_grads(self, grads, fn, *args):
         return grad_return_overlapped(
             grads, fn, *args, axis_name=self.axis_name, seq_axis=1, workspace=self.spec
         )
 
-
-@dataclasses.dataclass(frozen=True)
-class NoTransfer:
-    """A rank of ``n`` alone: the gathered arrays are n copies of the local ones (not the other
-    ranks' data: for timing only), and the returned gradients are their first S/n rows (the shape
-    a rank gets back, not its chunks). The whole gradients are materialized first, as a transport
-    would read them (without the barrier XLA would compute only the rows kept, and the timing
-    would miss work a real rank does)."""
-
-    n: int
-
-    def gather(self, xs, fn, *args):
-        return tuple(jnp.concatenate([x] * self.n, axis=1) for x in xs), fn(*args)
-
-    def give_back(self, grads, fn, *args):
-        grads = jax.lax.optimization_barrier(tuple(grads))
-        return tuple(g[:, : g.shape[1] // self.n] for g in grads), fn(*args)
+    def gather_ids(self, words):
+        """Over the same transport as K/V (XLA's collectives fail for processes sharing a GPU),
+        which moves floats: the int32 words travel bitcast to float32 and come back bit for bit."""
+        bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(words), jnp.float32)
+        gathered = all_gather(bits, axis_name=self.axis_name, seq_axis=1, workspace=self.spec)
+        return jax.lax.bitcast_convert_type(gathered, jnp.int32)

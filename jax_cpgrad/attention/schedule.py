@@ -1,0 +1,226 @@
+"""A rank's exact attention as a local and a remote part merged by log-sum-exp, with the transfer
+of K/V (forward) and dK/dV (backward) running beside the local part's work: the custom VJP.
+
+Forward: gather the other ranks' segment ids if documents need them (tiny, before anything else);
+start the K/V gather; compute the local part (own keys only); finish the gather; compute the
+remote part against the gathered keys; merge. Backward: compute the remote part's backward
+first, which yields this rank's dK/dV for the whole sequence; start returning them to their
+owners; compute the local part's backward; finish the return and add the local dK/dV.
+
+With G head groups (``Config.head_groups``) the transfer is pipelined: group 0's K/V travel
+beside the local part (all heads), group g+1's beside group g's remote part; in the backward,
+group g's dK/dV return beside group g+1's remote backward, the last group's beside the local
+backward. Each transfer starts after the previous one is done (a workspace runs one call at a
+time), and only the first group's gather and the last group's return wait on the short local
+part.
+
+The merge has its own VJP. With O = sum_p w_p O_p over the parts p, w_p = exp(L_p - L) and
+L = logsumexp_p L_p, part p's scores S_p take the merged probabilities P = exp(S_p - L), so the
+exact score gradient is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged* O and L: what a
+flash-attention backward computes when it is given (O, L) instead of the part's own (O_p, L_p),
+with the unscaled dO. Each call's backward runs that way (``kernels/contract.py``).
+
+The calls themselves come from ``plan.py`` as data; this module only runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import kernels
+from .plan import Call, RankPlan
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    plan: RankPlan
+    scale: float
+    impl: str  # a kernels.KERNELS name
+    transfer: Any  # a transfer.Transfer (hashable)
+    head_groups: int = 1  # the transfer pipelined over this many groups of key/value heads
+
+
+def merge(*parts):
+    """(out, lse) of parts of the same queries' attention, each an (out, lse) pair: summed in
+    float32, rounded once to the first part's dtype."""
+    lse = functools.reduce(jnp.logaddexp, [lp for _, lp in parts])  # finite: every query sees its own key
+    weight = lambda lp: jnp.swapaxes(jnp.exp(lp - lse), -1, -2)[..., None]  # [B, T, N, 1]
+    out = sum(weight(lp) * op.astype(F32) for op, lp in parts)
+    return out.astype(parts[0][0].dtype), lse
+
+
+# -- one call ----------------------------------------------------------------------------------
+
+
+def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
+    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have."""
+    plan = cfg.plan
+    qc = plan.take_rows(call, q)
+    kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
+    if call.vis is not None:  # masked
+        out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale)
+    else:
+        out, lse = kernels.forward(
+            cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len
+        )
+    return plan.put_rows(call, out, 0), plan.put_lse(call, lse)
+
+
+def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
+    """The call's (dq [B, T, N, H], dk, dv): the rank's own [B, T, K, H] for a local call, the
+    gathered [B, S, K, H] for a remote one."""
+    plan = cfg.plan
+    qc, oc, dc = (plan.take_rows(call, x) for x in (q, out, d_out))
+    lc = plan.take_lse(call, lse)
+    kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
+    if call.vis is not None:  # masked
+        dq, dk, dv = kernels.masked_backward(cfg.impl, qc, kc, vc, oc, lc, dc, call.vis, scale=cfg.scale)
+    else:
+        dq, dk, dv = kernels.backward(
+            cfg.impl, qc, kc, vc, oc, lc, dc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len
+        )
+    return plan.put_rows(call, dq, 0), plan.put_key_grads(call, dk, rank), plan.put_key_grads(call, dv, rank)
+
+
+# -- the two parts -----------------------------------------------------------------------------
+
+
+def _local_forward(cfg: Config, calls, q, k, v):
+    parts = [_call_forward(cfg, call, q, k, v, None, None, None) for call in calls]
+    return parts[0] if len(parts) == 1 else merge(*parts)
+
+
+def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
+    grads = [_call_backward(cfg, call, q, k, v, None, None, out, lse, d_out, None) for call in calls]
+    if len(grads) == 1:
+        return grads[0]
+    return tuple(
+        _sum_f32(g).astype(like.dtype) for g, like in zip(zip(*grads, strict=True), (q, k, v), strict=True)
+    )
+
+
+def _remote_forward(cfg: Config, calls, q, k_glob, v_glob, rank):
+    """The remote part's (out, lse) pairs, one per call, for these heads."""
+    return [_call_forward(cfg, call, q, None, None, k_glob, v_glob, rank) for call in calls]
+
+
+def _remote_backward(cfg: Config, calls, q, k_glob, v_glob, out, lse, d_out, rank):
+    """The remote part's (dq float32, dk, dv over the gathered length, zero where it read no key)
+    for these heads, each the float32 sum of its calls' gradients, the key gradients rounded once
+    to their dtype."""
+    grads = [_call_backward(cfg, c, q, None, None, k_glob, v_glob, out, lse, d_out, rank) for c in calls]
+    dq, dk, dv = (_sum_f32(g) for g in zip(*grads, strict=True))
+    return dq, dk.astype(k_glob.dtype), dv.astype(v_glob.dtype)
+
+
+def _sum_f32(xs):
+    return sum(x.astype(F32) for x in xs)
+
+
+# -- the custom VJP ----------------------------------------------------------------------------
+
+
+def _gathered_ids(cfg: Config, words):
+    """The segment ids' words of the whole sequence in natural order, or None."""
+    if words is None:
+        return None
+    return cfg.transfer.gather_ids(words) if cfg.plan.gathers_ids else words
+
+
+def _forward(cfg: Config, q, k, v, rank, words):
+    """(out, lse, residuals)."""
+    words_glob = _gathered_ids(cfg, words)
+    calls = cfg.plan.calls(q, rank, words_glob)
+    if not calls.remote:
+        out, lse = _local_forward(cfg, calls.local, q, k, v)
+        return out, lse, (q, k, v, ((k, v),), out, lse, rank, words_glob)
+    groups = cfg.head_groups
+    qs, ks, vs = (_heads(x, groups) for x in (q, k, v))
+    first_kv = (ks[0], vs[0]) if words_glob is None else _after(words_glob, (ks[0], vs[0]))
+    remote = functools.partial(_remote_forward, cfg)
+    local_fn = functools.partial(_local_forward, cfg)
+    gathered, local = cfg.transfer.gather(first_kv, local_fn, calls.local, q, k, v)
+    kv_glob, remote_parts = [gathered], []
+    for g in range(1, groups):
+        next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
+        gathered, parts = cfg.transfer.gather(next_kv, remote, calls.remote, qs[g - 1], *kv_glob[-1], rank)
+        kv_glob.append(gathered)
+        remote_parts.append(parts)
+    k_glob, v_glob = kv_glob[-1]
+    remote_parts.append(remote(calls.remote, qs[-1], k_glob, v_glob, rank))
+    # call p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
+    joined = [
+        (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
+        for part in zip(*remote_parts, strict=True)
+    ]
+    out, lse = merge(local, *joined)
+    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, words_glob)
+
+
+def _heads(x, groups: int, axis: int = 2):
+    """``x`` split into ``groups`` equal groups of heads (a list, ``[x]`` for one)."""
+    return jnp.split(x, groups, axis=axis) if groups > 1 else [x]
+
+
+def _join(xs, axis: int):
+    return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
+
+
+def _after(previous, xs):
+    """``xs``, available only once ``previous`` is: the next transfer starts after the previous
+    one is done (one workspace runs one call at a time; XLA would otherwise start it as soon as
+    its inputs exist)."""
+    return jax.lax.optimization_barrier((previous, xs))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(cfg: Config, q, k, v, rank, words):
+    """The rank's attention output [B, T, N, H]; ``rank`` is its int32 index on the axis, ``words``
+    its segment ids as int32 words [B, T, W] (``plan.id_words``) or None."""
+    return _forward(cfg, q, k, v, rank, words)[0]
+
+
+def _attention_fwd(cfg: Config, q, k, v, rank, words):
+    out, _, residuals = _forward(cfg, q, k, v, rank, words)
+    return out, residuals
+
+
+def _attention_bwd(cfg: Config, residuals, d_out):
+    q, k, v, kv_glob, out, lse, rank, words_glob = residuals
+    calls = cfg.plan.calls(q, rank, words_glob)  # the same calls (and masks) as the forward's
+    d_out = d_out.astype(q.dtype)
+    local_backward = functools.partial(_local_backward, cfg, calls.local)
+    if not calls.remote:
+        return (*local_backward(q, k, v, out, lse, d_out), None, None)
+    groups = cfg.head_groups
+    qs, outs, d_outs = (_heads(x, groups) for x in (q, out, d_out))
+    lses = _heads(lse, groups, axis=1)
+    remote = functools.partial(_remote_backward, cfg)
+
+    def group(g: int):
+        """The arguments of group g's remote backward."""
+        k_glob, v_glob = kv_glob[g]
+        return calls.remote, qs[g], k_glob, v_glob, outs[g], lses[g], d_outs[g], rank
+
+    dq_r, dk_r, dv_r = remote(*group(0))
+    dqs, returned, sending = [dq_r], [], (dk_r, dv_r)
+    for g in range(1, groups):
+        back, (dq_r, dk_r, dv_r) = cfg.transfer.return_grads(sending, remote, *group(g))
+        dqs.append(dq_r)
+        returned.append(back)
+        sending = _after(back, (dk_r, dv_r))
+    back, (dq_l, dk_l, dv_l) = cfg.transfer.return_grads(sending, local_backward, q, k, v, out, lse, d_out)
+    returned.append(back)
+    dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
+    add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)
+    return add(_join(dqs, axis=2), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,317 @@
+"""Documents (segment_ids) and sliding windows (local_window_size) in the CP attention layer, on CPU
+devices, against unsharded dense-mask jax.nn.dot_product_attention on the natural-order arrays:
+values and q/k/v gradients for R = 1, 2, 4, 8 ranks, causal and full, MHA, GQA and MQA, float32
+within 2e-5 and bfloat16 within twice the kernel's own error; windows shorter than, as long as
+and longer than a chunk, of 0, symmetric and not; documents of every shape; both together; under
+jit, grad, jax.checkpoint and vmap, and with the head-group pipeline; the bad inputs refused
+before anything runs. Chunks are 8 tokens (S = 16 R) unless said otherwise."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_check as ac
+import jax_cpgrad as cpg
+from jax_cpgrad.attention import kernels, masks
+from spmd import cp_mesh
+
+F32_TOLERANCE = 2e-5
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+CHUNK = 8
+
+
+def _check(ranks, *, causal=True, heads="gqa", window=None, documents=None, dtype=jnp.float32, batch=1,
+           chunk=CHUNK, ids_dtype=np.int32, reference_causal=None, **kw):  # fmt: skip
+    """The layer against the reference; returns the errors. ``reference_causal`` (default
+    ``causal``) and documents=None on the reference side make the "must equal plain" checks."""
+    h, hk = HEADS[heads]
+    seq = 2 * ranks * chunk
+    inputs = ac.random_inputs(seq, batch=batch, heads=h, kv_heads=hk, dtype=dtype, seed=ranks + 3 * batch)
+    ids = (
+        None
+        if documents is None
+        else ac.documents(documents, seq, batch, chunk=chunk, seed=ranks).astype(ids_dtype)
+    )
+    mask = dict(causal=causal, segment_ids=ids, local_window_size=window)
+    ref_mask = mask if reference_causal is None else dict(causal=reference_causal)
+    ref = ac.reference(*inputs, scale=kw.get("scale"), **ref_mask)
+    got = ac.relative_errors(ac.cp_layer(cp_mesh(ranks), inputs, dtype=dtype, **mask, **kw), ref)
+    if dtype == jnp.float32:
+        tolerance = F32_TOLERANCE
+    else:  # the kernel's own error: the layer at R = 1 is one call of it on the whole sequence
+        own = ac.relative_errors(ac.cp_layer(cp_mesh(1), inputs, dtype=dtype, **mask), ref)
+        tolerance = 2 * max(own.values())
+    assert max(got.values()) <= tolerance, (got, tolerance)
+    return got
+
+
+# -- windows -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,heads,window",
+    [
+        (1, True, "mha", 5),  # R = 1: one call
+        (2, True, "gqa", CHUNK),  # left = chunk
+        (4, True, "mqa", 20),  # left > chunk
+        (8, True, "gqa", 3),  # left < chunk
+        (4, True, "gqa", 0),  # only itself: no remote part
+        (2, True, "mha", (5, 100)),  # causal: the right side is 0 in effect
+        (2, False, "mha", 6),  # symmetric
+        (4, False, "gqa", (3, 11)),  # asymmetric: left < chunk < right
+        (8, False, "mqa", (17, 0)),
+        (4, False, "gqa", (0, 5)),  # only later keys: the remote part is needed
+        (1, False, "gqa", (2, 40)),
+        (4, False, "mha", 0),  # only itself, full
+    ],
+    ids=str,
+)
+def test_windows_match_unsharded_attention(ranks, causal, heads, window):
+    _check(ranks, causal=causal, heads=heads, window=window)
+
+
+# -- documents ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,heads,documents,window",
+    [
+        (1, True, "gqa", "short", None),
+        (2, False, "mha", "crossing", None),
+        (4, True, "gqa", "crossing", None),
+        (8, True, "mqa", "short", None),
+        (4, False, "gqa", "one_token", None),
+        (2, True, "mha", "one_token", 4),  # documents and a window together
+        (8, False, "gqa", "crossing", (6, 2)),
+        (4, True, "mqa", "short", 20),
+        (4, True, "gqa", "repeated", None),
+        (2, False, "gqa", "nan_bits", None),
+        (4, True, "gqa", "crossing", 0),  # the ids travel, K/V do not
+    ],
+    ids=str,
+)
+def test_documents_match_unsharded_attention(ranks, causal, heads, documents, window):
+    _check(ranks, causal=causal, heads=heads, documents=documents, window=window, batch=2)
+
+
+@pytest.mark.parametrize("ranks,causal", [(1, True), (4, True), (8, False)], ids=str)
+def test_one_document_is_plain_attention(ranks, causal):
+    _check(ranks, causal=causal, documents="one", reference_causal=causal)
+
+
+def test_small_integer_ids_and_batch_rows():
+    """uint8 ids (cast to int32 words), batch rows with different documents."""
+    _check(4, documents="crossing", batch=3, ids_dtype=np.uint8, window=(9, 1), causal=False)
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,window,documents",
+    [(4, True, 12, "crossing"), (8, False, (20, 5), "short"), (2, True, None, "one_token")],
+    ids=str,
+)
+def test_bfloat16_within_twice_the_kernels_own_error(ranks, causal, window, documents):
+    _check(ranks, causal=causal, window=window, documents=documents, dtype=jnp.bfloat16, chunk=16)
+
+
+@pytest.mark.parametrize(
+    "ranks,heads,groups,causal,window,documents",
+    [
+        (4, "mha", 2, True, 10, "crossing"),
+        (8, "gqa", 2, False, (3, 9), None),
+        (2, "mha", 4, True, None, "short"),
+    ],
+    ids=str,
+)
+def test_head_groups_pipeline_with_masks(ranks, heads, groups, causal, window, documents):
+    _check(ranks, causal=causal, heads=heads, window=window, documents=documents, head_groups=groups)
+
+
+def test_masks_under_jax_checkpoint_and_a_custom_scale():
+    _check(4, window=11, documents="crossing", remat=True, scale=0.3)
+
+
+def test_masks_ignore_transfer_when_alone():
+    """At R = 1 a masked call has no remote part, with or without the transport's test path."""
+    _check(1, window=3, documents="short", transfer_when_alone=True)
+
+
+def test_grad_of_a_loss_through_the_masked_layer():
+    """jax.grad of a scalar loss under jit, with documents and a window."""
+    ranks, seq = 4, 64
+    q, k, v, _ = ac.random_inputs(seq, seed=3)
+    ids = ac.documents("crossing", seq, 1, chunk=CHUNK, seed=0)
+    mesh = cp_mesh(ranks)
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def loss(q, k, v, ids):
+        out = cpg.dot_product_attention(q, k, v, axis_name="cp", segment_ids=ids, local_window_size=(9, 0))
+        return jax.lax.psum(jnp.sum(jnp.sin(out)), "cp")
+
+    grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=spec, out_specs=spec))
+    laid = [cpg.to_cp_layout(x, ranks, seq_axis=1) for x in (q, k, v, ids)]
+    got = [np.asarray(cpg.from_cp_layout(g, ranks, seq_axis=1)) for g in grad(*laid)]
+    mask = ac.document_mask(ids)[:, None]
+    attend = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, mask=mask, local_window_size=(9, 0)
+    )
+    ref = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), (0, 1, 2))(q, k, v)
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r, atol=F32_TOLERANCE * np.abs(r).max())
+
+
+@pytest.mark.parametrize("head_groups", [1, 2])
+def test_masks_under_vmap(head_groups):
+    """jax.vmap over a leading axis of q, k, v and the segment ids inside shard_map: each slice
+    equals the unsharded attention of that slice, values and gradients."""
+    ranks, seq, slices = 4, 64, 2
+    per_slice = [ac.random_inputs(seq, heads=4, kv_heads=2, seed=40 + i) for i in range(slices)]
+    stacked = [np.stack(xs) for xs in zip(*per_slice, strict=True)]
+    ids = np.stack(
+        [ac.documents(kind, seq, 1, chunk=CHUNK, seed=i) for i, kind in enumerate(("crossing", "short"))]
+    )
+    mesh = cp_mesh(ranks)
+    spec = jax.sharding.PartitionSpec(None, None, "cp")
+
+    def one(q, k, v, ct, ids):
+        layer_fn = lambda q, k, v: cpg.dot_product_attention(
+            q, k, v, axis_name="cp", segment_ids=ids, local_window_size=(13, 2), is_causal=False,
+            head_groups=head_groups,
+        )  # fmt: skip
+        out, vjp = jax.vjp(layer_fn, q, k, v)
+        return (out, *vjp(ct))
+
+    step = jax.jit(jax.shard_map(jax.vmap(one), mesh=mesh, in_specs=spec, out_specs=spec))
+    laid = [cpg.to_cp_layout(x, ranks, seq_axis=2) for x in (*stacked, ids)]
+    got = [np.asarray(cpg.from_cp_layout(g, ranks, seq_axis=2)) for g in step(*laid)]
+    for i in range(slices):
+        ref = ac.reference(*per_slice[i], causal=False, segment_ids=ids[i], local_window_size=(13, 2))
+        for name, g in zip(ac.NAMES, got, strict=True):
+            atol = F32_TOLERANCE * np.abs(ref[name]).max()
+            np.testing.assert_allclose(g[i], ref[name], atol=atol, err_msg=name)
+
+
+# -- the masked kernel's contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", [k.name for k in kernels.KERNELS if k.takes_masks])
+def test_masked_kernels_keep_the_contract(impl):
+    """A masked call against jax.nn.dot_product_attention with the dense mask, on keys whose
+    positions jump (the other ranks' chunks): rows that see no key have output 0, lse -inf and
+    zero gradients, and keys that no row sees get zero gradients."""
+    q, k, v, ct = (jnp.asarray(x) for x in ac.random_inputs(12, batch=2, heads=4, kv_heads=2, seed=1))
+    q, ct = q[:, :6], ct[:, :6]
+    q_pos = jnp.array([0, 1, 2, 13, 14, 15], jnp.int32)
+    k_pos = jnp.array([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 20, 21], jnp.int32)
+    runs = jnp.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]], jnp.int32)
+    k_runs = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2], [0] * 10 + [1, 1]], jnp.int32)
+    mask = masks.Mask(causal=True, window=(9, 0))
+    vis = masks.visibility(mask, q_pos, k_pos, runs, k_runs)
+    dense = np.asarray(vis.dense())
+    out, lse = kernels.masked_forward(impl, q, k, v, vis, scale=0.25)
+    dq, dk, dv = kernels.masked_backward(impl, q, k, v, out, lse, ct, vis, scale=0.25)
+    empty, unseen = ~dense.any(-1), ~dense.any(-2)  # [B, T], [B, L]
+    assert empty.any() and (~empty).any() and unseen.any()
+    assert np.all(np.asarray(out)[empty] == 0) and np.all(
+        np.isneginf(np.asarray(lse).transpose(0, 2, 1)[empty])
+    )
+    for grad, where in ((dq, empty), (dk, unseen), (dv, unseen)):
+        assert not np.any(np.asarray(grad)[where])
+    attend = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=0.25, mask=jnp.asarray(dense)[:, None]
+    )
+    ref_out, vjp = jax.vjp(attend, q, k, v)
+    # jax.nn gives empty rows the mean of V and gradients: compare where a row sees a key
+    ct_seen = jnp.where(jnp.asarray(~empty)[:, :, None, None], ct, 0)
+    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(ref_out)[~empty], atol=1e-6)
+    for got, want in zip((dq, dk, dv), vjp(ct_seen), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- what travels ------------------------------------------------------------------------------
+
+
+def _lowered(ranks: int, **kw) -> str:
+    """The lowered text of the layer's forward and backward on the XLA transport."""
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def body(q, k, v, ids):
+        attend = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", segment_ids=ids, **kw)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return vjp(out)
+
+    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=spec, out_specs=spec))
+    q = jax.ShapeDtypeStruct((1, 32, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, 32), jnp.int32)
+    return step.trace(q, kv, kv, ids).lower().as_text()
+
+
+def test_what_travels_with_masks():
+    """Documents: the ids (one float32 word per token) are gathered before K/V; a window that
+    keeps each query to itself moves no K/V (and no dK/dV); R = 1 moves nothing."""
+    gathers = lambda text: re.findall(r"all_gather.*?-> tensor<([\dx]+)xf32>", text)
+    assert gathers(_lowered(4)) == ["1x32x1", "1x32x2x16", "1x32x2x16"]  # the ids, then K and V
+    alone = _lowered(4, local_window_size=0)
+    assert gathers(alone) == ["1x32x1"] and "reduce_scatter" not in alone
+    single = _lowered(1, local_window_size=3)
+    assert "all_gather" not in single and "reduce_scatter" not in single
+
+
+# -- bad input: a ValueError before anything runs -----------------------------------------------
+
+
+def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
+    spec = jax.sharding.PartitionSpec(None, "cp")
+    body = lambda q, k, v, ids: cpg.dot_product_attention(q, k, v, axis_name="cp", segment_ids=ids, **kw)
+    q = jax.ShapeDtypeStruct((1, 16, 4, 8), dtype)
+    kv = jax.ShapeDtypeStruct((1, 16, 2, 8), dtype)
+    shard = jax.shard_map(body, mesh=cp_mesh(2), in_specs=spec, out_specs=spec)
+    jax.jit(shard).trace(q, kv, kv, jax.ShapeDtypeStruct(ids_shape, ids_dtype))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"is_causal": "False"}, "is_causal must be a Python bool (static), got 'False'"),
+        ({"is_causal": 1}, "is_causal must be a Python bool"),
+        ({"is_causal": np.array(True)}, "is_causal must be a Python bool (static), got ndarray"),
+        ({"ids_shape": (1, 16, 1)}, "segment_ids must be [B, T] = [1, 8]"),
+        ({"ids_shape": (2, 16)}, "segment_ids must be [B, T] = [1, 8]"),
+        ({"ids_dtype": jnp.float32}, "segment_ids must have an integer dtype, got float32"),
+        ({"ids_dtype": jnp.bool_}, "segment_ids must have an integer dtype, got bool"),
+        ({"local_window_size": -1}, "local_window_size: both sides must be ints >= 0"),
+        ({"local_window_size": (1, 2, 3)}, "local_window_size must be None, an int w"),
+        ({"local_window_size": 2.5}, "local_window_size must be None, an int w"),
+        ({"local_window_size": (4, None)}, "local_window_size: both sides must be ints >= 0"),
+        ({"local_window_size": True}, "local_window_size must be None, an int w"),
+        (
+            {"implementation": "cudnn", "dtype": jnp.bfloat16},
+            "implementation='cudnn' takes no documents and no local window (segment_ids, "
+            "local_window_size); use implementation='xla' (or None)",
+        ),
+        ({"implementation": "mosaic"}, "implementation must be None, 'cudnn' or 'xla', got 'mosaic'"),
+    ],
+    ids=str,
+)
+def test_bad_input_is_a_value_error(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _trace(**kw)
+
+
+def test_cudnn_with_a_window_alone_is_a_value_error():
+    spec = jax.sharding.PartitionSpec(None, "cp")
+    body = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", local_window_size=4, implementation="cudnn"
+    )
+    x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("takes no documents and no local window")):
+        jax.jit(jax.shard_map(body, mesh=cp_mesh(2), in_specs=spec, out_specs=spec)).trace(x, x, x)
+
+
+def test_segment_ids_that_are_not_an_array():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="segment_ids is not an array: list"):
+        cpg.dot_product_attention(q, q, q, axis_name="cp", segment_ids=[[0] * 16])
