@@ -4,11 +4,11 @@ The ceiling column of grad_return.py's tables (the results' finding 1); not run 
 Every GPU pushes its bytes to every peer at once (the transfer part), then the owner's local
 memory traffic runs at device-copy speed (the accumulation of grad_return, the layout of
 all_gather). Both parts are measured on the same GPUs, in the same run, with the native
-benchmark module (`jax_cpgrad._native.bench_ext`, absent from a CPU-only build).
+benchmark module (`jax_cpgrad.benchmarking.bench_ext`, None in a CPU-only build).
 
 The native contract this module codes against:
 
-- ``ws._push_targets()`` -> one entry per GPU of this process in the workspace:
+- ``ws.push_targets()`` -> one entry per GPU of this process in the workspace:
   ``(cuda_ordinal, rank, pci_bus_id, [(device_pointer, owner_pci_bus_id), ...])``, one target
   per peer owner in rotated order, each writable for ``ws.slot_bytes`` bytes;
 - ``bench_ext.push_bandwidth(members, bytes_per_peer, iters, reps, engine)`` with
@@ -30,10 +30,8 @@ _barrier_ids = itertools.count()
 
 def load_bench():
     """(the native benchmark module, None) or (None, why there is none)."""
-    try:
-        from jax_cpgrad._native import bench_ext
-    except ImportError:
-        return None, "jax_cpgrad._native has no bench_ext (this build predates the benchmark module)"
+    from jax_cpgrad.benchmarking import bench_ext
+
     if bench_ext is None:
         return None, "the native benchmark module was not built (CPU-only build of jax_cpgrad)"
     return bench_ext, None
@@ -71,9 +69,9 @@ def _default_sync(name: str) -> None:
     import jax
 
     if jax.process_count() > 1:
-        from jax_cpgrad import _distributed
+        from jax_cpgrad import benchmarking
 
-        _distributed.barrier(name, BARRIER_TIMEOUT_S)
+        benchmarking.barrier(name, BARRIER_TIMEOUT_S)
 
 
 def _seconds(result: dict) -> dict:
@@ -92,7 +90,7 @@ def push_ceiling(ws, bytes_per_peer: int, iters: int, reps: int, *, bench=None, 
     both engines and keeps the faster: ``{"engine", "median_s", "min_s", "max_s", "engines": {...}}``.
     Raises ValueError, before anything is measured, when a target is on its writer's own GPU.
     """
-    targets = list(ws._push_targets())
+    targets = list(ws.push_targets())
     check_cross_gpu(targets)
     if not any(peers for *_, peers in targets):
         raise ValueError("push ceiling refused: the workspace has no peers (R = 1)")
@@ -145,7 +143,7 @@ def copy_time(ordinal: int, nbytes: int, iters: int, reps: int, *, bench=None) -
 
 def first_ordinal(ws) -> int:
     """The CUDA ordinal of this process's first GPU in the workspace (where the copy is timed)."""
-    return int(ws._push_targets()[0][0])
+    return int(ws.push_targets()[0][0])
 
 
 def ceilings(

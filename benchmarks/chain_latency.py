@@ -25,7 +25,7 @@ import json
 import jax
 from sizes import parse_size  # benchmarks/sizes.py, next to this script
 
-from jax_cpgrad._native import bench_ext, ext
+from jax_cpgrad.benchmarking import bench_ext, multiprocessor_count
 
 
 def shape_args(shape: str, payload_bytes: int, sms: int) -> dict:
@@ -59,7 +59,7 @@ def main() -> None:
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         raise SystemExit("benchmarks/chain_latency.py needs a GPU")
-    sms = min(ext.multiprocessor_count(d.local_hardware_id) for d in gpus)
+    sms = min(multiprocessor_count(d.local_hardware_id) for d in gpus)
     counts = opts.ranks or sorted({1, len(gpus)})
     if max(counts) > len(gpus) or min(counts) < 1:
         raise SystemExit(f"--ranks {counts}: this process sees {len(gpus)} GPU(s)")

@@ -34,10 +34,11 @@ device's peak bytes, the workspace's own bytes. Before timing, the layer is chec
 name the config as the command line does (hidden, head_dim, ffn, seq; ``n`` is R), as in every
 recorded run.
 
-At R = 1 the layer would skip its transfer (one attention call); this benchmark turns that off
-(``jax_cpgrad.attention.layer.SKIP_TRANSFER_WHEN_ALONE``, the tests' hook) so that the rows of
-one GPU still time the transfer path, a rank gathering from itself. ``rank_without_transfer``
-does not follow that switch: at R = 1 the ``none`` row is one attention call, not the split.
+At R = 1 the layer would skip its transfer (one attention call); this benchmark calls it with
+``transfer_when_alone=True`` (``jax_cpgrad.attention.layer.attention``, the tests' entry) so
+that the rows of one GPU still time the transfer path, a rank gathering from itself.
+``rank_without_transfer`` has no such switch: at R = 1 the ``none`` row is one attention call,
+not the split.
 
 --precision: instead of timing, one step of a small config per transport in --dtype against the
 same model unsharded on one device in float32 (``jax.nn.dot_product_attention``, XLA): errors of
@@ -202,6 +203,9 @@ def loss_count(cfg: Config) -> int:
 
 reference_attention = functools.partial(transformer.unsharded_attention, implementation="xla")
 reference_attention.__doc__ = "Unsharded causal attention (natural order), XLA."
+# The layer as cpg.dot_product_attention, but on the transfer's path at R = 1 too (the module
+# docstring says why); at R > 1 the two are one.
+cp_attention = functools.partial(attention_layer.attention, transfer_when_alone=True)
 
 
 def reference_loss_and_grads(params, x, probes, cfg: Config):
@@ -223,9 +227,7 @@ def make_attention(transport: str, ranks: int, workspace, cfg: Config):
             q, k, v, jax.lax.axis_index(AXIS), ranks, **common, **options
         )
     ws = workspace if transport == "peer" else None
-    return lambda q, k, v, **options: cpg.dot_product_attention(
-        q, k, v, axis_name=AXIS, workspace=ws, **common, **options
-    )
+    return lambda q, k, v, **options: cp_attention(q, k, v, axis_name=AXIS, workspace=ws, **common, **options)
 
 
 def make_step(cfg: Config, mesh, transport: str, workspace=None):
@@ -693,9 +695,7 @@ def check_layer(mesh, cfg: Config, chunk: int = 64, seed: int = 0, options=None)
     ref = jax.jit(functools.partial(_out_and_grads, functools.partial(reference_attention, **options)))(
         *inputs
     )
-    layer = functools.partial(
-        cpg.dot_product_attention, axis_name=AXIS, implementation=cfg.implementation, **options
-    )
+    layer = functools.partial(cp_attention, axis_name=AXIS, implementation=cfg.implementation, **options)
     spec = P(None, AXIS)
     run = jax.jit(
         jax.shard_map(functools.partial(_out_and_grads, layer), mesh=mesh, in_specs=spec, out_specs=spec)
@@ -989,8 +989,7 @@ def main(argv=None) -> int:
         f"cp_step: R={n} on {devices[0].device_kind} ({jax.process_count()} process(es)), "
         f"jax {jax.__version__}"
     )
-    if n == 1:  # the module docstring says why
-        attention_layer.SKIP_TRANSFER_WHEN_ALONE = False
+    if n == 1:  # the module docstring says why (cp_attention)
         say(
             "R=1: the layer's transfer path is forced (a rank gathers from itself); "
             "`none` is one attention call"

@@ -75,7 +75,7 @@ for s in "$@"; do
       ;;
     ncu_fused)
       stage ncu_fused 200 ncu --clock-control none -k regex:fused_ -c 6 python3 -c \
-        'from jax_cpgrad._native import bench_ext as b; b.chain_bench([0], global_bytes=65536, calls=3, reps=1, graph=False)'
+        'from jax_cpgrad.benchmarking import bench_ext as b; b.chain_bench([0], global_bytes=65536, calls=3, reps=1, graph=False)'
       ;;
     bench_1p*)  # one process driving every GPU; bench_1p, bench_1p2, ...: STAGE_ARGS_<name>, STAGE_ENV_<name> each
       e=$(env_of "$s"); stage "$s" 540 env ${e:+"$e"} python3 benchmarks/grad_return.py --json "$work/$s.json" --png "$work/$s.png" $(args_of "$s")

@@ -409,9 +409,9 @@ class Bench:
     def sync(self) -> None:
         """All processes start a timed run together (no-op in one process)."""
         if jax.process_count() > 1:
-            from jax_cpgrad import _distributed
+            from jax_cpgrad import benchmarking
 
-            _distributed.barrier(f"jax_cpgrad_bench/rep/{next(self._sync_ids)}", SYNC_TIMEOUT_S)
+            benchmarking.barrier(f"jax_cpgrad_bench/rep/{next(self._sync_ids)}", SYNC_TIMEOUT_S)
 
 
 def setup(opts) -> Bench:

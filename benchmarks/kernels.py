@@ -14,7 +14,7 @@ import datetime
 import json
 import platform
 
-from jax_cpgrad._native import bench_ext
+from jax_cpgrad.benchmarking import bench_ext
 
 STEPS = [
     ("scatter", "copy_scatter_size", "scatter_traffic"),

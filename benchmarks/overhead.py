@@ -15,7 +15,7 @@ import argparse
 import datetime
 import json
 
-from jax_cpgrad._native import bench_ext
+from jax_cpgrad.benchmarking import bench_ext
 
 PARTS = ["call", "scatter_launch", "publish_and_wait", "accumulate_launch", "fused_call"]
 

@@ -333,8 +333,6 @@ class Workspace:
             )
         return out
 
-    _push_targets = push_targets  # the old name, until benchmarks/ceiling.py calls push_targets
-
     @property
     def slot_bytes(self) -> int:
         return self._open_native.slot_bytes

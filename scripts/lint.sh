@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-find ffi benchmarks/sweeps \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) -print0 |
+find ffi experiments \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) -print0 |
   xargs -0 .venv/bin/clang-format --dry-run -Werror
 echo "== lint, format and type checks passed"

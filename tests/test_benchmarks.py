@@ -175,7 +175,7 @@ class _FakeWorkspace:
     def __init__(self, targets):
         self.targets = targets
 
-    def _push_targets(self):
+    def push_targets(self):
         return self.targets
 
 
@@ -312,7 +312,7 @@ class _FakeGpuWorkspace:
         self.protocol, self.slot_bytes = protocol, nbytes
         self.targets = _two_gpus().targets
 
-    def _push_targets(self):
+    def push_targets(self):
         return self.targets
 
     def close(self):

@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import cp_step as cs  # noqa: E402
 
-import jax_cpgrad as cpg  # noqa: E402
 from jax_cpgrad.attention import kernels as attention_kernels  # noqa: E402
 
 XLA_KV_COLLECTIVES = re.compile(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)")
@@ -66,8 +65,8 @@ def _config(**fields):
 def test_the_layer_check_passes_on_the_layer_and_catches_a_wrong_one(monkeypatch):
     mesh, cfg = _mesh(4), _config(kv_heads=1)
     assert max(cs.check_layer(mesh, cfg, chunk=8).values()) < 1e-5
-    layer = cpg.dot_product_attention
-    monkeypatch.setattr(cs.cpg, "dot_product_attention", lambda *a, **kw: layer(*a, **kw, scale=0.1))
+    layer = cs.cp_attention  # the layer as the benchmark calls it
+    monkeypatch.setattr(cs, "cp_attention", lambda *a, **kw: layer(*a, **kw, scale=0.1))
     assert min(cs.check_layer(mesh, cfg, chunk=8).values()) > 1e-2
 
 
@@ -130,13 +129,13 @@ def test_each_layer_gets_its_own_attention_options(monkeypatch):
         {"local_window_size": 16},
     ]
     assert cs.label(cfg).endswith("win=16/g") and cs.model_config(**cs.describe(cfg)) == cfg
-    seen, layer = [], cpg.dot_product_attention
+    seen, layer = [], cs.cp_attention
 
     def recording(q, k, v, **kw):
         seen.append(kw.pop("local_window_size", None))
         return layer(q, k, v, **kw)
 
-    monkeypatch.setattr(cs.cpg, "dot_product_attention", recording)
+    monkeypatch.setattr(cs, "cp_attention", recording)
     cfg = dataclasses.replace(_config(layers=3), layer_attention=cfg.layer_attention)
     mesh = _mesh(2)
     args = (cs.init_params_device(mesh, cfg, 0), cs.random_hidden(mesh, cfg, 0), [])

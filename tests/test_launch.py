@@ -187,8 +187,10 @@ def test_cp_training_across_two_cpu_processes(tmp_path):
         from jax.sharding import Mesh
         from jax_cpgrad import launch
         launch.initialize()
-        from jax_cpgrad.example.cp_step import local_value, make_train_step, replicate, shard_batch
-        from jax_cpgrad.example.model import Config, init_params, reference_loss_and_grads, synthetic_batch
+        from jax_cpgrad.models.cp_train_step import local_value, make_train_step, replicate, shard_batch
+        from jax_cpgrad.models.transformer import (
+            Config, init_params, reference_loss_and_grads, synthetic_batch,
+        )
 
         cfg = Config(seq_len=256)
         mesh = Mesh(np.array(jax.devices()), ("cp",))

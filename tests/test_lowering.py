@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jax_cpgrad as cpg
-from jax_cpgrad.example.cp_step import make_train_step, replicate, shard_batch, workspace_nbytes
-from jax_cpgrad.example.model import Config, init_params, synthetic_batch
+from jax_cpgrad.models.cp_train_step import make_train_step, replicate, shard_batch, workspace_nbytes
+from jax_cpgrad.models.transformer import Config, init_params, synthetic_batch
 from spmd import cp_mesh, place, spmd_jit
 from workspace_stub import workspace_spec
 
