@@ -87,7 +87,8 @@ cudaError_t launch_fused_ll(OpKind op, const FusedCall& call, cudaStream_t strea
 bool ll_possible(const CallPlan& plan);
 cudaError_t warm_fused_ll_kernels();
 
-// Loads every device-protocol kernel now, so that CUDA's lazy loading never blocks inside a handler.
+// Loads every device-protocol kernel now, so that CUDA's lazy loading never blocks inside a
+// handler.
 cudaError_t warm_fused_kernels();
 // Loads the given kernels (what warm_fused_kernels does for each file's kernels).
 cudaError_t load_kernels(std::initializer_list<const void*> kernels);
