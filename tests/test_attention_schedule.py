@@ -117,11 +117,13 @@ def test_at_n1_the_layer_is_one_attention_call_and_no_transfer():
     assert "all_gather" not in text and "reduce_scatter" not in text
 
 
-def _masked_lowered_text(ws, remat: bool, ranks: int = 4) -> str:
-    """The lowered text of the layer with documents and a window (XLA's masked kernels)."""
+def _masked_lowered_text(ws, remat: bool, ranks: int = 4, window=(20, 0), documents=True) -> str:
+    """The lowered text of the layer with documents (or not) and a window (XLA's masked
+    kernels); chunks of 64 / (2 ranks) tokens."""
     layer = lambda q, k, v, ids: cpg.dot_product_attention(
-        q, k, v, axis_name="cp", workspace=ws, segment_ids=ids, local_window_size=(20, 0)
-    )
+        q, k, v, axis_name="cp", workspace=ws, segment_ids=ids if documents else None,
+        local_window_size=window,
+    )  # fmt: skip
     if remat:
         layer = jax.checkpoint(layer)
 
@@ -162,3 +164,63 @@ def test_masked_layer_gathers_the_ids_first_then_kv_beside_the_local_part(remat)
 def test_masked_layer_at_r1_moves_nothing():
     text = _masked_lowered_text(workspace_spec(1, protocol="device", overlap=True), remat=False, ranks=1)
     assert "jax_cpgrad" not in text and "all_gather" not in text
+
+
+def _events(text: str) -> list[str]:
+    """The custom calls' targets and "dot" for each dot product, in the lowered order."""
+    lines = [line for line in text.splitlines() if "custom_call @" in line or "dot_general" in line]
+    return [
+        re.search(r"custom_call @([\w$]+)\(", line).group(1) if "custom_call" in line else "dot"
+        for line in lines
+    ]
+
+
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("documents", [False, True], ids=["window", "documents"])
+def test_the_halo_travels_beside_the_local_part(protocol, suffix, remat, documents):
+    """A window within a chunk (c = 8, left 3) on an overlapped workspace: the halo's K/V move
+    (the peer transport's all-gather of the edge rows, only 2 x 3 rows a rank) has the local part's
+    masked attention between its start and done, and the dK/dV return the local backward;
+    the ids (with documents) first, alone. Nothing travels twice under jax.checkpoint."""
+    gather, back, done = _transfer_targets(suffix)
+    text = _masked_lowered_text(
+        workspace_spec(4, protocol=protocol, overlap=True), remat, window=(3, 0), documents=documents
+    )
+    events = _events(text)
+    calls = [e for e in events if e != "dot"]
+    ids = [gather, done] if documents else []
+    assert calls == ids + [gather, done, back, done], calls
+    starts = [i for i, e in enumerate(events) if e.endswith("_start")][len(ids) // 2 :]
+    dones = [i for i, e in enumerate(events) if e == done][len(ids) // 2 :]
+    for start, end in zip(starts, dones, strict=True):  # K/V forward, dK/dV backward
+        assert "dot" in events[start:end], events
+    # the halo's rows: every rank's 2 x 3 edge rows gathered (bfloat16 [1, 6, 2, 16] from each)
+    assert re.search(r"custom_call @jax_cpgrad_all_gather\w*\(.*tensor<1x6x2x16xbf16>", text)
+    moves = [line for line in text.splitlines() if "custom_call @jax_cpgrad_" in line]
+    assert not any("1x64x2x16" in line for line in moves)  # never K/V of the whole sequence
+
+
+def test_the_halo_with_head_groups_pipelines_like_the_gather():
+    """head_groups=2 with a halo window: group 1's halo travels beside group 0's remote part,
+    group 0's return beside group 1's remote backward, each start after the previous done."""
+    gather, back, done = _transfer_targets("_device")
+    layer = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", workspace=workspace_spec(4, protocol="device", overlap=True),
+        local_window_size=(3, 2), is_causal=False, head_groups=2,
+    )  # fmt: skip
+
+    def body(q, k, v):
+        out, vjp = jax.vjp(layer, q, k, v)
+        return vjp(out)
+
+    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(4), in_specs=P(None, "cp"), out_specs=P(None, "cp")))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
+    events = _events(step.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text())
+    calls = [e for e in events if e != "dot"]
+    assert calls == [gather, done, gather, done, back, done, back, done], calls
+    starts = [i for i, e in enumerate(events) if e.endswith("_start")]
+    dones = [i for i, e in enumerate(events) if e == done]
+    for start, end in zip(starts, dones, strict=True):
+        assert "dot" in events[start:end], events

@@ -57,7 +57,14 @@ def transport(request, monkeypatch):
         assert workspace is not None
         return real(xs, fn, *args, workspace=None, **kw)
 
+    real_back = api.grad_return_overlapped
+
+    def back_on_xla(grads, fn, *args, workspace, **kw):
+        assert workspace is not None
+        return real_back(grads, fn, *args, workspace=None, **kw)
+
     monkeypatch.setattr(api, "all_gather_overlapped", on_xla)
+    monkeypatch.setattr(api, "grad_return_overlapped", back_on_xla)
     return lambda n: workspace_spec(n)
 
 
@@ -138,6 +145,32 @@ def test_vjp_is_the_transpose_of_the_gather_bitwise(n, window, dtype, transport)
         for r in range(n):
             assert got[r].dtype == want[r].dtype
             np.testing.assert_array_equal(got[r], want[r])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("window", WINDOWS[:4])
+def test_the_return_with_work_beside_is_the_vjp_bitwise(n, window, transport):
+    """halo_return_overlapped (the layer's backward move) equals halo_exchange's VJP bit for bit,
+    bfloat16, and returns the work's result."""
+    left, right = window
+    k, v = (np.asarray(jnp.asarray(_stacked(_natural(n, s), n), jnp.bfloat16)) for s in (0, 1))
+    rng = np.random.default_rng(5)
+    shape = (n, B, H.halo_length(left, right), K, D)
+    ck, cv = (np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)) for _ in range(2))
+    workspace = transport(n)
+
+    def body(k, v, ck, cv):
+        grads, y = H.halo_return_overlapped(
+            (ck, cv), jnp.sin, k, axis_name="cp", left=left, right=right, chunk_len=C, workspace=workspace
+        )
+        return (*grads, y)
+
+    dk, dv, y = spmd(cp_mesh(n), body)(k, v, ck, cv)
+    want_k, want_v = spmd(cp_mesh(n), _vjp_body(left, right, workspace))(k, v, ck, cv)
+    for r in range(n):
+        np.testing.assert_array_equal(dk[r], want_k[r])
+        np.testing.assert_array_equal(dv[r], want_v[r])
+        np.testing.assert_array_equal(y[r], np.asarray(jnp.sin(jnp.asarray(k[r]))))
 
 
 def test_forward_and_backward_are_bitwise_equal_on_two_runs():

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import layer, schedule
+from .halo import halo_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,20 @@ class NoTransfer:
 
     def gather_ids(self, words):
         return jnp.concatenate([words] * self.num_ranks, axis=1)
+
+    def halo(self, xs, window, fn, *args):
+        """The halo's shapes, ``[B, 2 * (left + right), ...]``: the local rows, repeated."""
+        return tuple(_rows(x, halo_length(*window)) for x in xs), fn(*args)
+
+    def return_halo(self, grads, window, chunk_len, fn, *args):
+        grads = jax.lax.optimization_barrier(tuple(grads))
+        return tuple(_rows(g, 2 * chunk_len) for g in grads), fn(*args)
+
+
+def _rows(x, length: int):
+    """``length`` rows along axis 1 of ``x`` repeated as often as needed."""
+    copies = -(-length // x.shape[1])
+    return jnp.concatenate([x] * copies, axis=1)[:, :length]
 
 
 def rank_without_transfer(

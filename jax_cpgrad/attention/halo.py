@@ -31,7 +31,13 @@ order ``[A | B | C | D]``, except on rank R-1, where they are ``[A | D | B | C]`
   padding rows are dropped.
 
 :func:`halo_positions` gives the same positions and validity in numpy, for a rank known at trace
-time (tests, references).
+time (tests, references); :func:`rank_positions` indexes its tables with a traced rank (the
+layer's masks).
+
+:func:`halo_return_overlapped` is the exchange's transpose as an op with work beside (the
+layer's backward: the halo's dK/dV return beside the local backward), the same code as
+``halo_exchange``'s VJP: the receive's transpose, the move back (``ppermute`` each way back, or
+:func:`jax_cpgrad.grad_return_overlapped`), the owner's float32 sum.
 
 **Transports.**
 
@@ -211,15 +217,9 @@ def _arrange(slots, rank, n: int):
     return jnp.where(rank == n - 1, last, plain)
 
 
-def _from_neighbours(packed, axis_name: str, n: int, left: int, right: int):
-    """XLA transport: slots A-D from the two neighbours (zeros where there is none), from
-    ``packed`` in PERMUTE_ORDER: one permute to each neighbour."""
-    w = left + right
-    up = [(s, s + 1) for s in range(n - 1)]  # to the next rank: [tail of first | head of second]
-    down = [(s, s - 1) for s in range(1, n)]  # to the previous: [head of first | tail of second]
-    a, d = _split(jax.lax.ppermute(packed[:, :w], axis_name, up), (left, right))
-    b, c_ = _split(jax.lax.ppermute(packed[:, w:], axis_name, down), (right, left))
-    return a, b, c_, d
+def _permute_pairs(n: int):
+    """(to the next rank, to the previous): the two permutes' source-target pairs."""
+    return [(s, s + 1) for s in range(n - 1)], [(s, s - 1) for s in range(1, n)]
 
 
 def _split(x, sizes):
@@ -321,30 +321,127 @@ def _prepare(xs, axis_name, left, right, workspace, op: str) -> _Call:
     return _Call(arrays, rebuild, n, c, left, right, spec)
 
 
+def rank_positions(rank, num_ranks: int, chunk_len: int, left: int, right: int):
+    """int32 ``positions [L]`` and bool ``valid [L]`` of the halo rows of ``rank`` (an int or a
+    traced int32): :func:`halo_positions`'s tables, indexed at run time. The layer's masks and
+    :func:`halo_exchange` both take them from here."""
+    pos_table, valid_table = _position_tables(num_ranks, chunk_len, left, right)
+    return jnp.asarray(pos_table)[rank], jnp.asarray(valid_table)[rank]
+
+
+# The exchange in three steps, shared by the forward and its transpose: ``_send`` (what a rank
+# sends of one array: local, linear), the move (the collective), ``_receive`` (the rank's halo
+# rows from what arrived: local, linear). The transpose runs the receive's transpose, the move's
+# (``ppermute`` back, or ``grad_return``) and ``_pack``'s own VJP (the owner's float32 sum).
+
+
+def _send(call: _Call, x):
+    left, right = call.left, call.right
+    if call.spec is None:  # [to the next rank | to the previous], left + right rows each
+        packed = _pack(x, call.c, left, right, PERMUTE_ORDER)
+        return packed[:, : left + right], packed[:, left + right :]
+    return (_gather_pack(x, call.c, left, right),)
+
+
+def _send_transpose(call: _Call, like, cts):
+    """The owner's rows' cotangent ``[B, 2c, ...]`` from what it sent's, summed in float32."""
+    if call.spec is None:
+        return _pack_bwd(call.c, call.left, call.right, PERMUTE_ORDER, like, jnp.concatenate(cts, axis=1))[0]
+    if call.left + call.right >= call.c:  # the whole array was sent
+        return cts[0]
+    return _pack_bwd(call.c, call.left, call.right, GATHER_ORDER, like, cts[0])[0]
+
+
+def _receive(call: _Call, rank, moved):
+    n, left, right = call.n, call.left, call.right
+    if call.spec is None:  # (from the previous rank, from the next)
+        a, d = _split(moved[0], (left, right))
+        b, c_ = _split(moved[1], (right, left))
+        slots = (a, b, c_, d)
+    else:
+        slots = _from_gathered(moved[0], rank, n, call.c, left, right)
+    return _arrange(slots, rank, n)
+
+
+def _permute(call: _Call, axis_name: str, sent, transpose: bool = False):
+    """XLA transport: the two permutes (``transpose``: each back the way it came)."""
+    up, down = _permute_pairs(call.n)
+    first, second = (down, up) if transpose else (up, down)
+    return jax.lax.ppermute(sent[0], axis_name, first), jax.lax.ppermute(sent[1], axis_name, second)
+
+
+def _rank(axis_name: str):
+    return jax.lax.axis_index(axis_name).astype(jnp.int32)
+
+
 def _run(call: _Call, axis_name: str, fn, args):
     """(Halo, fn(*args)), fn beside the transfer where the transport can place it."""
     n, c, left, right = call.n, call.c, call.left, call.right
     length = halo_length(left, right)
-    pos_table, valid_table = _position_tables(n, c, left, right)
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
-    positions = jnp.asarray(pos_table)[rank]
-    valid = jnp.asarray(valid_table)[rank]
+    rank = _rank(axis_name)
+    positions, valid = rank_positions(rank, n, c, left, right)
     if length == 0 or n == 1:  # nothing to move: every row is padding
         shape = lambda x: x.shape[:1] + (length,) + x.shape[2:]
         rows = tuple(jnp.zeros(shape(x), x.dtype) for x in call.xs)
         return Halo(call.rebuild(rows), positions, valid), fn(*args)
+    sent = [_send(call, x) for x in call.xs]
     if call.spec is None:
-        packed = tuple(_pack(x, c, left, right, PERMUTE_ORDER) for x in call.xs)
         y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
-        slots = [_from_neighbours(p, axis_name, n, left, right) for p in packed]
+        moved = [_permute(call, axis_name, s) for s in sent]
     else:
-        packed = tuple(_gather_pack(x, c, left, right) for x in call.xs)
         gathered, y = api.all_gather_overlapped(
-            packed, fn, *args, axis_name=axis_name, seq_axis=1, workspace=call.spec
+            tuple(s[0] for s in sent), fn, *args, axis_name=axis_name, seq_axis=1, workspace=call.spec
         )
-        slots = [_from_gathered(g, rank, n, c, left, right) for g in gathered]
-    rows = tuple(_arrange(s, rank, n) for s in slots)
+        moved = [(g,) for g in gathered]
+    rows = tuple(_receive(call, rank, m) for m in moved)
     return Halo(call.rebuild(rows), positions, valid), y
+
+
+def _run_transpose(call: _Call, axis_name: str, cts, fn, args):
+    """(the owners' cotangents of ``call.xs`` from the halo rows' ``cts``, fn(*args)): the
+    transpose of :func:`_run`'s exchange, fn beside the move back."""
+    n, left, right = call.n, call.left, call.right
+    if halo_length(left, right) == 0 or n == 1:
+        return tuple(jnp.zeros(x.shape, x.dtype) for x in call.xs), fn(*args)
+    rank = _rank(axis_name)
+    like = jax.ShapeDtypeStruct(call.xs[0].shape, call.xs[0].dtype)
+    # the receive's transpose: its VJP at zeros of what arrived (it is linear; the zeros' own
+    # receive is dead code). The zeros vary over the axes the cotangents do, as what arrived
+    # does: the VJP of a value that does not would sum its cotangent over the axis.
+    moved_like = jax.eval_shape(lambda x: _permute_shapes(call, _send(call, x)), like)
+    zeros = _varying_like([jnp.zeros(m.shape, m.dtype) for m in moved_like], cts)
+    _, receive_t = jax.vjp(lambda m: _receive(call, rank, m), zeros)
+    ct_moved = [receive_t(ct)[0] for ct in cts]
+    if call.spec is None:
+        y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
+        ct_sent = [_permute(call, axis_name, m, transpose=True) for m in ct_moved]
+    else:
+        back, y = api.grad_return_overlapped(
+            tuple(m[0] for m in ct_moved), fn, *args, axis_name=axis_name, seq_axis=1, workspace=call.spec
+        )
+        ct_sent = [(b,) for b in back]
+    return tuple(_send_transpose(call, like, s) for s in ct_sent), y
+
+
+def _varying_like(xs, refs):
+    """``xs`` varying over every mesh axis that ``refs`` vary over (inside ``shard_map``)."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
+
+    def widen(x):
+        missing = tuple(sorted(axes - varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return [widen(x) for x in xs]
+
+
+def _permute_shapes(call: _Call, sent):
+    """What arrives for what is sent: the same shapes on the XLA transport; the gathered rows of
+    every rank (natural chunk order) on the peer transport."""
+    if call.spec is None:
+        return sent
+    (x,) = sent
+    return (jnp.zeros((x.shape[0], x.shape[1] * call.n, *x.shape[2:]), x.dtype),)
 
 
 def halo_exchange(xs, *, axis_name: str, left: int, right: int, workspace=None) -> Halo:
@@ -382,6 +479,44 @@ def halo_exchange_overlapped(
         raise ValueError(f"{_NAME}_overlapped: fn must be callable, got {type(fn).__name__}")
     call = _prepare(xs, axis_name, left, right, workspace, "halo_exchange_overlapped")
     return _run(call, axis_name, fn, args)
+
+
+def halo_return_overlapped(
+    grads, fn, *args, axis_name: str, left: int, right: int, chunk_len: int, workspace=None
+) -> tuple[Any, Any]:
+    """``(the owners' gradients, fn(*args))``: the transpose of :func:`halo_exchange`, the halo
+    rows' cotangents sent back to their owners, with ``fn``'s work run while they travel. The
+    same code as ``halo_exchange``'s VJP (which is this with no work beside).
+
+    ``grads``: one array or a tuple/list of same-shape arrays ``[B, 2 * (left + right), ...]``,
+    cotangents of :class:`Halo` rows in its order (padding rows' are dropped); ``chunk_len``: c,
+    the owners' arrays being ``[B, 2c, ...]``. Returns the owners' gradients in the structure of
+    ``grads``, each ``[B, 2c, ...]`` in its dtype: on the XLA transport each row's returned
+    cotangents added in float32 and rounded once; on the peer transport
+    :func:`jax_cpgrad.grad_return_overlapped` (float32 sums in rank order), ``fn`` between its
+    start and done with a workspace made with ``overlap=True``. ``fn`` must not need the result.
+    """
+    if not callable(fn):
+        raise ValueError(f"jax_cpgrad.halo_return_overlapped: fn must be callable, got {type(fn).__name__}")
+    arrays, rebuild = _as_tuple(grads)
+    if not _is_int(chunk_len) or chunk_len < 1:
+        raise ValueError(
+            f"jax_cpgrad.halo_return_overlapped: chunk_len must be an int >= 1, got {chunk_len!r}"
+        )
+    first = arrays[0]
+    if not hasattr(first, "shape") or first.ndim < 2:
+        raise ValueError("jax_cpgrad.halo_return_overlapped: grads must be arrays [B, L, ...]")
+    like = [jax.ShapeDtypeStruct((g.shape[0], 2 * chunk_len, *g.shape[2:]), g.dtype) for g in arrays]
+    call = _prepare(tuple(like), axis_name, left, right, workspace, "halo_return_overlapped")
+    length = halo_length(call.left, call.right)
+    for i, g in enumerate(arrays):
+        if g.shape[1] != length or g.shape != first.shape or g.dtype != first.dtype:
+            raise ValueError(
+                f"jax_cpgrad.halo_return_overlapped: grads must share one shape [B, L = 2 * (left + "
+                f"right) = {length}, ...] and dtype; argument {i} is {g.dtype}{list(g.shape)}"
+            )
+    back, y = _run_transpose(call, axis_name, arrays, fn, args)
+    return rebuild(back), y
 
 
 class HaloBytes(NamedTuple):

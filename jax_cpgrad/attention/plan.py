@@ -23,13 +23,22 @@ Plain calls (causal or full; cuDNN or XLA):
   The far chunk's two results are merged with the local part's by log-sum-exp, and its key
   gradients from the two calls are summed in float32.
 
-Masked calls (documents, a window; a :class:`~jax_cpgrad.attention.masks.Visibility` each, from
-global positions and the documents' run ids, ``masks.py``):
+Masked calls (documents, a window, or plain attention for a kernel that takes only masks; a
+:class:`~jax_cpgrad.attention.masks.Visibility` each, from global positions and the documents' run
+ids, ``masks.py``):
 
 - local: all the rank's queries against its own 2c keys (positions r c.., (2R-1-r) c..);
 - remote: all the rank's queries against the other ranks' 2R-2 chunks, in order (positions stay
   increasing). Left out where no query can see another rank's key: at R = 1, and for a window
   that keeps each query to its own position.
+- remote with a **halo** (a window whose sides in effect, left and right, 0 for causal, are both
+  smaller than c): all the rank's queries against the halo rows (``halo.py``: the neighbouring
+  chunks' 2 (left + right) edge rows, all that the window lets the rank's queries see of the
+  other ranks' keys), which are all that travels. Their Visibility comes from the rows' global
+  positions (``halo.rank_positions``, increasing) and the runs of the gathered ids at those
+  positions; padding rows (``valid`` False) sit beyond the window's reach, and their columns are
+  emptied too, so no query sees them. Wider windows keep the other ranks' chunks (the whole K/V
+  gather).
 
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
@@ -44,6 +53,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from . import halo
 from .masks import Mask, Visibility, run_ids, visibility
 
 F32 = jnp.float32
@@ -54,7 +64,8 @@ I32 = jnp.int32
 Rows = Literal["all", "fold", "far"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
-Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others"]
+# The halo rows of a window within a chunk (``halo.py``), as they arrived.
+Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "halo"]
 
 
 @jax.tree_util.register_dataclass
@@ -84,10 +95,13 @@ class RankPlan:
     window: tuple[int, int] | None = None  # (left, right), masks.normalize_window's
     documents: bool = False  # segment ids given
     transfer_when_alone: bool = False
+    # Plain causal/full attention as masked calls too: for kernels that take only a Visibility
+    # (the Pallas kernels), which express any causal offset in one call.
+    plain_as_masked: bool = False
 
     @property
     def masked(self) -> bool:
-        return self.window is not None or self.documents
+        return self.window is not None or self.documents or self.plain_as_masked
 
     @property
     def mask(self) -> Mask:
@@ -99,6 +113,16 @@ class RankPlan:
             mask = self.mask
             return self.num_ranks > 1 and not (mask.left == 0 and mask.right == 0)
         return self.num_ranks > 1 or (self.transfer_when_alone and self.causal)
+
+    def halo_window(self, chunk_len: int) -> tuple[int, int] | None:
+        """The window's sides in effect ``(left, right)`` (right 0 when causal) where the remote
+        part needs only the halo, both smaller than the chunk length; None otherwise (no window,
+        no remote part, or a side of a chunk or more)."""
+        if self.window is None or not self.has_remote:
+            return None
+        left, right = self.mask.left, self.mask.right
+        assert left is not None and right is not None
+        return (left, right) if left < chunk_len and right < chunk_len else None
 
     @property
     def gathers_ids(self) -> bool:
@@ -132,9 +156,25 @@ class RankPlan:
         local = (Call("all", "own", vis=visibility(mask, q_pos, q_pos, own_runs, own_runs)),)
         if not self.has_remote:
             return Calls(local, ())
+        window = self.halo_window(c)
+        if window is not None:
+            return Calls(local, (self._halo_call(c, rank, runs, q_pos, own_runs, window),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
+
+    def _halo_call(self, c: int, rank, runs, q_pos, own_runs, window) -> Call:
+        """The remote call against the halo rows: positions from ``halo.rank_positions``, runs
+        those of the sequence at them (clipped: the padding rows take the first or the last run,
+        which keeps the runs non-decreasing), padding columns emptied."""
+        k_pos, valid = halo.rank_positions(rank, self.num_ranks, c, *window)
+        if runs is None:
+            k_runs = None
+        else:
+            k_runs = jnp.take(runs, jnp.clip(k_pos, 0, runs.shape[1] - 1), axis=1)
+        vis = visibility(self.mask, q_pos, k_pos, own_runs, k_runs)
+        unseen = jnp.where(valid, vis.col_hi, vis.col_lo)
+        return Call("all", "halo", vis=dataclasses.replace(vis, col_hi=unseen))
 
     def _own_positions(self, c: int, rank):
         """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
@@ -183,9 +223,9 @@ class RankPlan:
 
     def take_keys(self, call: Call, own, gathered, rank):
         """The call's keys (or values) from the rank's own ``[B, 2c, ...]`` or the gathered
-        ``[B, S, ...]`` ones."""
-        if call.keys == "own":
-            return own
+        ``[B, S, ...]`` ones (for ``halo``: the halo rows, as they arrived)."""
+        if call.keys in ("own", "halo"):
+            return own if call.keys == "own" else gathered
         if call.keys == "own_fold":
             return fold(own)
         if call.keys == "gathered_fold":
@@ -194,7 +234,8 @@ class RankPlan:
 
     def put_key_grads(self, call: Call, g, rank):
         """The call's key (or value) gradients as the rank's own ``[B, 2c, ...]`` (local calls) or
-        over the gathered ``[B, S, ...]`` (remote calls, zero where the call read no key)."""
+        over the gathered ``[B, S, ...]`` (remote calls, zero where the call read no key), or over
+        the halo rows ``[B, L, ...]``."""
         if call.keys in ("own_fold", "gathered_fold"):
             return unfold(g)
         if call.keys == "first_half":

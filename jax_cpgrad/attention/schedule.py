@@ -20,6 +20,11 @@ exact score gradient is dS_p = P * (dO V_p^T - rowsum(dO * O)) with the *merged*
 flash-attention backward computes when it is given (O, L) instead of the part's own (O_p, L_p),
 with the unscaled dO. Each call's backward runs that way (``kernels/contract.py``).
 
+For a window whose sides fit in a chunk (``RankPlan.halo_window``) the transfer is the halo's
+(``Transfer.halo`` / ``return_halo``): only the neighbouring chunks' edge rows travel, in the same
+places (beside the local part, the return beside the local backward, pipelined over head groups
+the same way), and the remote part runs against them.
+
 The calls themselves come from ``plan.py`` as data; this module only runs them.
 """
 
@@ -134,6 +139,20 @@ def _gathered_ids(cfg: Config, words):
     return cfg.transfer.gather_ids(words) if cfg.plan.gathers_ids else words
 
 
+def _transfers(cfg: Config, q):
+    """(the K/V move, the dK/dV move back), each ``(xs, fn, *args) -> (moved, fn(*args))``: the
+    halo's for a window within a chunk, else the whole gather and return."""
+    c = q.shape[1] // 2
+    window = cfg.plan.halo_window(c)
+    t = cfg.transfer
+    if window is None:
+        return t.gather, t.return_grads
+    return (
+        lambda xs, fn, *args: t.halo(xs, window, fn, *args),
+        lambda grads, fn, *args: t.return_halo(grads, window, c, fn, *args),
+    )
+
+
 def _forward(cfg: Config, q, k, v, rank, words):
     """(out, lse, residuals)."""
     words_glob = _gathered_ids(cfg, words)
@@ -146,11 +165,12 @@ def _forward(cfg: Config, q, k, v, rank, words):
     first_kv = (ks[0], vs[0]) if words_glob is None else _after(words_glob, (ks[0], vs[0]))
     remote = functools.partial(_remote_forward, cfg)
     local_fn = functools.partial(_local_forward, cfg)
-    gathered, local = cfg.transfer.gather(first_kv, local_fn, calls.local, q, k, v)
+    gather, _ = _transfers(cfg, q)
+    gathered, local = gather(first_kv, local_fn, calls.local, q, k, v)
     kv_glob, remote_parts = [gathered], []
     for g in range(1, groups):
         next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
-        gathered, parts = cfg.transfer.gather(next_kv, remote, calls.remote, qs[g - 1], *kv_glob[-1], rank)
+        gathered, parts = gather(next_kv, remote, calls.remote, qs[g - 1], *kv_glob[-1], rank)
         kv_glob.append(gathered)
         remote_parts.append(parts)
     k_glob, v_glob = kv_glob[-1]
@@ -203,6 +223,7 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     qs, outs, d_outs = (_heads(x, groups) for x in (q, out, d_out))
     lses = _heads(lse, groups, axis=1)
     remote = functools.partial(_remote_backward, cfg)
+    _, return_grads = _transfers(cfg, q)
 
     def group(g: int):
         """The arguments of group g's remote backward."""
@@ -212,11 +233,11 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     dq_r, dk_r, dv_r = remote(*group(0))
     dqs, returned, sending = [dq_r], [], (dk_r, dv_r)
     for g in range(1, groups):
-        back, (dq_r, dk_r, dv_r) = cfg.transfer.return_grads(sending, remote, *group(g))
+        back, (dq_r, dk_r, dv_r) = return_grads(sending, remote, *group(g))
         dqs.append(dq_r)
         returned.append(back)
         sending = _after(back, (dk_r, dv_r))
-    back, (dq_l, dk_l, dv_l) = cfg.transfer.return_grads(sending, local_backward, q, k, v, out, lse, d_out)
+    back, (dq_l, dk_l, dv_l) = return_grads(sending, local_backward, q, k, v, out, lse, d_out)
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
     add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)

@@ -4,7 +4,12 @@ while it is in flight.
 The protocol (:class:`Transfer`): ``gather(xs, fn, *args)`` returns ``(all_gather(xs),
 fn(*args))``; ``return_grads(grads, fn, *args)`` returns ``(grad_return(grads), fn(*args))``;
 ``gather_ids(words)`` gathers int32 words ``[B, T, W]`` (the segment ids) into natural order
-``[B, S, W]``, exactly, outside any differentiation. :class:`OnMeshAxis` is jax_cpgrad's
+``[B, S, W]``, exactly, outside any differentiation. For a window whose sides fit in a chunk the
+layer moves only the halo (``halo.py``): ``halo(xs, window, fn, *args)`` returns ``(the halo
+rows of each array [B, 2 * (left + right), ...], fn(*args))`` (``Halo.rows``; their positions
+are ``halo.rank_positions``'), and ``return_halo(grads, window, chunk_len, fn, *args)`` its
+transpose, ``(each owner's [B, 2c, ...] gradients, fn(*args))``, the owner adding the returned
+rows in float32. :class:`OnMeshAxis` is jax_cpgrad's
 transport on a mesh axis (peer transport with a workspace, XLA collectives without);
 ``emulation.NoTransfer`` stands in for it on one device, to measure a rank's attention.
 """
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 
 from ..api import all_gather, all_gather_overlapped, grad_return_overlapped
 from ..spec import WorkspaceSpec
+from .halo import halo_exchange_overlapped, halo_return_overlapped
 
 
 class Transfer(Protocol):
@@ -27,6 +33,10 @@ class Transfer(Protocol):
     def return_grads(self, grads, fn, *args): ...
 
     def gather_ids(self, words): ...
+
+    def halo(self, xs, window, fn, *args): ...
+
+    def return_halo(self, grads, window, chunk_len, fn, *args): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +51,20 @@ class OnMeshAxis:
         return grad_return_overlapped(
             grads, fn, *args, axis_name=self.axis_name, seq_axis=1, workspace=self.spec
         )
+
+    def halo(self, xs, window, fn, *args):
+        left, right = window
+        halo, y = halo_exchange_overlapped(
+            tuple(xs), fn, *args, axis_name=self.axis_name, left=left, right=right, workspace=self.spec
+        )
+        return halo.rows, y
+
+    def return_halo(self, grads, window, chunk_len, fn, *args):
+        left, right = window
+        return halo_return_overlapped(
+            tuple(grads), fn, *args, axis_name=self.axis_name, left=left, right=right,
+            chunk_len=chunk_len, workspace=self.spec,
+        )  # fmt: skip
 
     def gather_ids(self, words):
         """Over the same transport as K/V (XLA's collectives fail for processes sharing a GPU),
