@@ -15,7 +15,7 @@ import pytest
 
 import attention_check as ac
 import jax_cpgrad as cpg
-from jax_cpgrad.attention import kernels, masks
+from jax_cpgrad.attention import emulation, halo, kernels, masks, plan
 from spmd import cp_mesh
 
 F32_TOLERANCE = 2e-5
@@ -71,6 +71,108 @@ def _check(ranks, *, causal=True, heads="gqa", window=None, documents=None, dtyp
 )
 def test_windows_match_unsharded_attention(ranks, causal, heads, window):
     _check(ranks, causal=causal, heads=heads, window=window)
+
+
+# -- windows within a chunk: only the halo travels ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,heads,window,documents",
+    [
+        (2, True, "gqa", 7, None),  # left = c - 1
+        (4, False, "mha", (2, 5), None),  # asymmetric
+        (8, True, "mqa", (7, 0), None),
+        (8, False, "gqa", (6, 1), None),
+        (4, True, "gqa", 5, "crossing"),  # documents and a halo window
+        (2, False, "mha", (7, 7), "one_token"),  # tail and head overlap: left + right > c
+        (8, False, "gqa", (1, 7), "short"),
+    ],
+    ids=str,
+)
+def test_halo_windows_match_unsharded_attention(ranks, causal, heads, window, documents):
+    batch = 1 if documents is None else 2
+    _check(ranks, causal=causal, heads=heads, window=window, documents=documents, batch=batch)
+
+
+def test_halo_windows_with_the_head_groups_pipeline():
+    _check(4, causal=False, heads="mha", window=(3, 5), documents="crossing", head_groups=2)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("causal,window", [(True, (5, 0)), (False, (3, 6)), (False, (7, 7))], ids=str)
+def test_halo_visibility_is_exact(ranks, causal, window):
+    """The halo call's mask, mapped to global key positions, is exactly the window's (and the
+    documents') over every key of the other ranks; no query sees a padding row."""
+    c, seq = CHUNK, 2 * ranks * CHUNK
+    ids = ac.documents("short", seq, 2, chunk=c, seed=ranks)
+    words = plan.id_words(jnp.asarray(ids))
+    rank_plan = plan.RankPlan(num_ranks=ranks, causal=causal, window=window, documents=True)
+    assert rank_plan.halo_window(c) == (window[0], 0 if causal else window[1])
+    runs = ac.document_mask(ids)  # [B, S, S]: same run
+    mask = masks.Mask(causal=causal, window=window)
+    for r in range(ranks):
+        (call,) = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words).remote
+        assert call.keys == "halo"
+        pos, valid = halo.halo_positions(r, ranks, c, *rank_plan.halo_window(c))
+        dense = np.asarray(call.vis.dense())  # [B, 2c, L]
+        lo, hi = np.asarray(call.vis.col_lo), np.asarray(call.vis.col_hi)
+        by_column = masks.interval_mask(jnp.asarray(lo), jnp.asarray(hi), 2 * c)  # [B, L, 2c]
+        np.testing.assert_array_equal(dense, np.swapaxes(np.asarray(by_column), 1, 2))
+        assert not dense[:, :, ~valid].any()
+        q_pos = np.concatenate(
+            [np.arange(r * c, (r + 1) * c), np.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c)]
+        )
+        others = np.setdiff1d(np.arange(seq), q_pos)
+        want = np.asarray(masks.visible(mask, q_pos, others))[0] & runs[:, q_pos][:, :, others]
+        got = np.zeros_like(want)
+        column = {p: i for i, p in enumerate(others)}
+        for j in np.flatnonzero(valid):
+            got[:, :, column[pos[j]]] = dense[:, :, j]
+        np.testing.assert_array_equal(got, want)
+
+
+def _lowered_without_ids(ranks: int, **kw) -> str:
+    """The lowered text of the layer's forward and backward on the XLA transport, no documents,
+    chunks of 8 (S = 16 R)."""
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def body(q, k, v):
+        attend = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", **kw)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return vjp(out)
+
+    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=spec, out_specs=spec))
+    q = jax.ShapeDtypeStruct((1, 16 * ranks, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 16 * ranks, 2, 16), jnp.float32)
+    return step.trace(q, kv, kv).lower().as_text()
+
+
+@pytest.mark.parametrize("causal,window", [(True, 3), (False, (2, 7))], ids=str)
+def test_a_window_within_a_chunk_moves_only_the_halo(causal, window):
+    """collective-permutes of the halo rows (K and V to each neighbour, dK and dV back), no
+    all-gather and no reduce-scatter; a window of a chunk or more gathers K/V (the control)."""
+    left, right = (window, window) if isinstance(window, int) else window
+    right = 0 if causal else right
+    text = _lowered_without_ids(4, local_window_size=window, is_causal=causal)
+    permutes = re.findall(r"stablehlo.collective_permute.*?-> tensor<([\dx]+)xf32>", text)
+    assert permutes and all(p == f"1x{left + right}x2x16" for p in permutes), permutes
+    assert len(permutes) == 8  # K, V x two neighbours x (forward, backward)
+    assert "all_gather" not in text and "reduce_scatter" not in text
+    wide = _lowered_without_ids(4, local_window_size=(CHUNK, 0), is_causal=causal)
+    assert "all_gather" in wide and "reduce_scatter" in wide and "collective_permute" not in wide
+
+
+def test_rank_without_transfer_with_a_halo_window():
+    """The emulated rank takes the halo path with the real shapes: values and gradients run."""
+    q, k, v, _ = (jnp.asarray(x) for x in ac.random_inputs(16, heads=4, kv_heads=2, seed=5))
+    ids = jnp.asarray(ac.documents("short", 16, 1, chunk=4, seed=0))
+    fn = lambda q, k, v: emulation.rank_without_transfer(
+        q, k, v, 1, 4, is_causal=False, local_window_size=(2, 3), segment_ids=ids, head_groups=2
+    )
+    out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+    grads = vjp(out)
+    assert out.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert all(np.isfinite(np.asarray(x)).all() for x in (out, *grads))
 
 
 # -- documents ---------------------------------------------------------------------------------
@@ -200,7 +302,11 @@ def test_masks_under_vmap(head_groups):
 def test_masked_kernels_keep_the_contract(impl):
     """A masked call against jax.nn.dot_product_attention with the dense mask, on keys whose
     positions jump (the other ranks' chunks): rows that see no key have output 0, lse -inf and
-    zero gradients, and keys that no row sees get zero gradients."""
+    zero gradients, and keys that no row sees get zero gradients. (The Pallas kernels keep the
+    same contract in tests/test_mosaic_*.py, at the shapes and on the devices they take.)"""
+    why_not = kernels.by_name(impl).why_not(jnp.float32, 16, True)
+    if why_not is not None:
+        pytest.skip(f"implementation={impl!r} needs {why_not} (float32, head dim 16 here)")
     q, k, v, ct = (jnp.asarray(x) for x in ac.random_inputs(12, batch=2, heads=4, kv_heads=2, seed=1))
     q, ct = q[:, :6], ct[:, :6]
     q_pos = jnp.array([0, 1, 2, 13, 14, 15], jnp.int32)
@@ -290,9 +396,12 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
         (
             {"implementation": "cudnn", "dtype": jnp.bfloat16},
             "implementation='cudnn' takes no documents and no local window (segment_ids, "
-            "local_window_size); use implementation='xla' (or None)",
+            "local_window_size); use implementation='xla' or 'mosaic' (on sm_90 GPUs) (or None)",
         ),
-        ({"implementation": "mosaic"}, "implementation must be None, 'cudnn' or 'xla', got 'mosaic'"),
+        (
+            {"implementation": "flash"},
+            "implementation must be None, 'cudnn' or 'xla' or 'mosaic', got 'flash'",
+        ),
     ],
     ids=str,
 )

@@ -8,6 +8,7 @@ import re
 import jax.numpy as jnp
 
 import test_attention
+import test_attention_masks
 import test_gpu_attention
 from jax_cpgrad.attention import kernels, layer
 
@@ -42,11 +43,19 @@ def test_the_implementations_named_are_the_layers():
 def test_the_tested_n_are_the_tests():
     cpu_ns = test_attention.test_matches_unsharded_attention_float32.pytestmark
     ns = next(m.args[1] for m in cpu_ns if m.args[0] == "n")
-    assert _matrix()["tested"][0] == "CPU, N = " + ", ".join(map(str, ns))
-    assert _matrix()["tested"][1] == "one H200, N = 1" and test_gpu_attention.test_layer_n1_device_protocol
+    assert _matrix()["tested"][0] == "CPU, R = " + ", ".join(map(str, ns))
+    assert _matrix()["tested"][1] == "one H200, R = 1" and test_gpu_attention.test_layer_n1_device_protocol
     shared = next(m.args[1] for m in test_gpu_attention.test_layer_ranks_sharing_one_gpu.pytestmark)
-    assert _matrix()["tested"][2] == "one H200, N = " + ", ".join(map(str, shared))
+    assert _matrix()["tested"][2] == "one H200, R = " + ", ".join(map(str, shared))
 
 
 def test_the_determinism_flag_is_the_gpu_tests():
     assert test_gpu_attention.DETERMINISTIC["XLA_FLAGS"] in _matrix()["same bits every run"][0]
+
+
+def test_the_masks_tested_r_are_the_tests():
+    """The documents-and-windows row names the R that the mask tests run (first field of each case)."""
+    cases = test_attention_masks.test_documents_match_unsharded_attention.pytestmark[0].args[1]
+    cases += test_attention_masks.test_windows_match_unsharded_attention.pytestmark[0].args[1]
+    ranks = sorted({case[0] for case in cases})
+    assert _matrix()['documents, windows, `"mosaic"` tested'][0] == "CPU, R = " + ", ".join(map(str, ranks))

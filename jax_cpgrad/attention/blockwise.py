@@ -67,14 +67,30 @@ def _row_tiles(x, block: int):
     return jnp.pad(x, [(0, 0), (0, n * block - x.shape[1])]).reshape(x.shape[0], n, block)
 
 
-def _sections(r, body, carry):
+def _sections(r, body, carry, reads):
     """Run ``body(j, carry, masked)`` over the inner tiles of one outer tile, section by section.
 
-    ``r`` holds this lane's scalars (lo, full_lo, full_hi, hi)."""
+    ``r`` holds this lane's scalars (lo, full_lo, full_hi, hi); ``reads``, the arrays the body
+    reads, whose mesh axes the carry takes on (see :func:`_varying_like`)."""
     lo, full_lo, full_hi, hi = r
+    carry = _varying_like(carry, (r, reads))
     carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)  # masked, before
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)  # full
     return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)  # masked, after
+
+
+def _varying_like(tree, refs):
+    """``tree`` with every leaf varying over the mesh axes that ``refs`` vary over. Inside
+    ``shard_map`` a loop's carry must keep the type its body gives it, and a carry started from
+    constants does not vary over the axes of the keys it accumulates; outside, nothing changes."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = set().union(*(varying(x) for x in jax.tree.leaves(refs)))
+
+    def widen(x):
+        missing = tuple(sorted(axes - varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(widen, tree)
 
 
 def _in_interval(lo, hi, index):
@@ -140,7 +156,7 @@ def forward(q, k, v, vis: masks.Visibility, *, scale: float, block_q: int = 128,
             jnp.zeros((kh, g, bq), F32),
             jnp.zeros((kh, g, bq, h), F32),
         )
-        m, s_sum, acc = _sections((lo, full_lo, full_hi, hi), body, init)
+        m, s_sum, acc = _sections((lo, full_lo, full_hi, hi), body, init, (q_t, row_lo, row_hi, k_all, v_all))
         seen_any = s_sum > 0
         out = jnp.where(seen_any[..., None], acc / jnp.where(seen_any, s_sum, 1.0)[..., None], 0.0)
         lse = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, s_sum, 1.0)), -jnp.inf)
@@ -199,7 +215,12 @@ def backward(
             _, ds = tile_grads(q_t, do_t, lse_t, delta_t, k_all[j], v_all[j], seen)
             return dq + jnp.einsum("kgts,skh->tkgh", ds, k_all[j].astype(F32))
 
-        return _sections((lo, full_lo, full_hi, hi), body, jnp.zeros((bq, kh, g, h), F32))
+        return _sections(
+            (lo, full_lo, full_hi, hi),
+            body,
+            jnp.zeros((bq, kh, g, h), F32),
+            (q_t, do_t, lse_t, delta_t, row_lo, row_hi, k_all, v_all),
+        )
 
     q_plan = _plan(vis.row_lo, vis.row_hi, bq, bk, l_len)
     rows = _row_tiles(vis.row_lo, bq), _row_tiles(vis.row_hi, bq)
@@ -217,7 +238,12 @@ def backward(
             dk = dk + jnp.einsum("kgts,tkgh->skh", ds, q_all[i].astype(F32))
             return dk, dv
 
-        return _sections((lo, full_lo, full_hi, hi), body, (jnp.zeros((bk, kh, h), F32),) * 2)
+        return _sections(
+            (lo, full_lo, full_hi, hi),
+            body,
+            (jnp.zeros((bk, kh, h), F32),) * 2,
+            (k_t, v_t, col_lo, col_hi, q_all, do_all, lse_all, delta_all),
+        )
 
     k_plan = _plan(vis.col_lo, vis.col_hi, bk, bq, t)
     cols = _row_tiles(vis.col_lo, bk), _row_tiles(vis.col_hi, bk)

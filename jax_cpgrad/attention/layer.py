@@ -106,7 +106,7 @@ def _choose_implementation(implementation, dtype, head_dim: int, masked: bool) -
     that can run these inputs."""
     if implementation is None:
         for kernel in kernels.KERNELS:
-            if kernel.why_not(dtype, head_dim, masked) is None:
+            if kernel.by_default and kernel.why_not(dtype, head_dim, masked) is None:
                 return kernel.name
         raise AssertionError("the XLA kernel runs everything")
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
@@ -166,6 +166,7 @@ def schedule_config(
         window=options.window,
         documents=options.documents,
         transfer_when_alone=transfer_when_alone,
+        plain_as_masked=kernels.by_name(options.impl).plain_as_masked,
     )
     return schedule.Config(
         plan=plan, scale=options.scale, impl=options.impl, transfer=transfer, head_groups=options.head_groups
@@ -235,16 +236,20 @@ def dot_product_attention(
       local_window_size: as ``jax.nn.dot_product_attention``'s: an int w (w keys on each side) or
         a pair ``(left, right)``: query p sees keys k with ``p - left <= k <= p + right``;
         with ``is_causal`` the right side is 0 in effect. None: no window.
-      implementation: None, ``"cudnn"`` or ``"xla"``. None is cuDNN flash attention where it can
-        run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head dim it takes,
-        no documents and no window) and XLA elsewhere; ``jax.nn.dot_product_attention``'s None
-        means XLA. The softmax and the merge of the parts run in float32 in both. With documents
-        or a window the calls take a mask (``kernels/contract.py``), which cuDNN's do not.
+      implementation: None, ``"cudnn"``, ``"xla"`` or ``"mosaic"``. None is cuDNN flash attention
+        where it can run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head
+        dim it takes, no documents and no window) and XLA elsewhere; ``jax.nn.dot_product_attention``'s
+        None means XLA. With documents or a window the calls take a mask (``kernels/contract.py``),
+        which cuDNN's do not; XLA's masked calls visit only the tiles the mask needs once they are
+        large (``attention/blockwise.py``). ``"mosaic"``: the project's own Pallas Mosaic GPU
+        kernels (bfloat16/float16, head dims 64 and 128, Hopper GPUs only), every mask in one
+        call per part; not yet measured on a GPU, so None does not choose it. The softmax and
+        the merge of the parts run in float32 in all.
       head_groups: pipeline the transfer over this many groups of key/value heads (it must
         divide K): group g+1's K/V travel while group g's remote part computes, and group g's
         dK/dV return while group g+1's backward runs, so that only a G-th of the transfer waits
         on the local part. For transfers longer than the local part (many key/value heads,
-        small chunks: ``benchmarks/sweeps/attention_overlap_window.py``); it splits every remote
+        small chunks: ``experiments/attention_overlap_window.py``); it splits every remote
         kernel call G ways. 1 (the default): no pipeline. Ignored at R = 1 (no transfer).
 
     At R = 1 the layer is one attention call and no transfer. With documents or a window each

@@ -1,30 +1,48 @@
 """The attention kernels the layer can call, behind one contract (``contract.py``).
 
-- ``xla.py``: plain jnp, every mask, any dtype and platform (the reference, the CPU tests);
 - ``cudnn.py``: jax's private cuDNN flash-attention primitives, plain calls (causal or full);
-- later: ``mosaic_gpu`` (Pallas kernels for sm_90 taking a Visibility), as one more entry of
-  :data:`KERNELS`.
+- ``xla.py``: plain jnp, every mask, any dtype and platform (the reference, the CPU tests); masked
+  calls of more than :data:`DENSE_SCORES_MAX` scores per head take ``blockwise.py`` instead, which
+  visits only the tiles a Visibility needs and never holds the whole score matrix;
+- ``mosaic.py``: the project's Pallas Mosaic GPU kernels for sm_90 (``mosaic_gpu/``), masked
+  calls only (plain attention goes to them as masked calls).
 
 :data:`KERNELS` is the one list of implementations: ``implementation=`` takes their names, and
-``implementation=None`` takes the first of them that can run the call (its order).
+``implementation=None`` takes the first of them that can run the call (its order) among those
+marked ``by_default``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import blockwise
 from ..masks import Visibility
-from . import cudnn, xla
+from . import cudnn, mosaic, xla
 from .contract import Kernel
 
-# The masked XLA kernel, chosen in ONE line. The blockwise path, which visits only the tiles a
-# Visibility needs, plugs in here: (partial(blockwise.forward, block_q=.., block_k=..), the same
-# for blockwise.backward).
-XLA_MASKED = (xla.masked_forward, xla.masked_backward)
+# Up to this many scores per head (T x L) the masked XLA kernel materializes them (fastest for
+# the small calls of tests and short sequences); beyond, it runs the blockwise path, whose memory
+# does not grow with T x L (a 16k x 112k call would need 7 GiB of float32 scores per head).
+DENSE_SCORES_MAX = 1 << 22
+
+
+def _xla_masked_forward(q, k, v, vis: Visibility, *, scale: float):
+    if q.shape[1] * k.shape[1] <= DENSE_SCORES_MAX:
+        return xla.masked_forward(q, k, v, vis, scale=scale)
+    return blockwise.forward(q, k, v, vis, scale=scale)
+
+
+def _xla_masked_backward(q, k, v, o, lse, do, vis: Visibility, *, scale: float):
+    if q.shape[1] * k.shape[1] <= DENSE_SCORES_MAX:
+        return xla.masked_backward(q, k, v, o, lse, do, vis, scale=scale)
+    return blockwise.backward(q, k, v, o, lse, do, vis, scale=scale)
+
 
 KERNELS: tuple[Kernel, ...] = (
     cudnn.KERNEL,
-    Kernel("xla", xla.forward, xla.backward, *XLA_MASKED),
+    Kernel("xla", xla.forward, xla.backward, _xla_masked_forward, _xla_masked_backward),
+    mosaic.KERNEL,
 )
 IMPLEMENTATIONS = tuple(kernel.name for kernel in KERNELS)
 

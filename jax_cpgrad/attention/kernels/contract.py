@@ -55,6 +55,10 @@ class Kernel:
     masked_backward: Callable | None = None
     refuses: Callable[[Any, int], str | None] = _anything  # (dtype, head dim) -> why not, or None
     where: str = ""
+    # Plain causal/full attention given to the masked calls (a kernel with masked calls only).
+    plain_as_masked: bool = False
+    # Taken by implementation=None (where it can run); False: only when asked for by name.
+    by_default: bool = True
 
     @property
     def takes_masks(self) -> bool:
@@ -64,7 +68,7 @@ class Kernel:
         """None where this kernel can run such a call; otherwise why not (see the module)."""
         if masked and not self.takes_masks:
             return "no documents and no local window (segment_ids, local_window_size)"
-        if not masked and self.forward is None:
+        if not masked and self.forward is None and not self.plain_as_masked:
             return "documents or a local window"
         return self.refuses(dtype, head_dim)
 

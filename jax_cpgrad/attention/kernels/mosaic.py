@@ -1,0 +1,44 @@
+"""The project's Pallas Mosaic GPU kernels (``attention/mosaic_gpu/``) behind the layer's contract:
+masked calls only, which express every mask the layer has (any causal offset, windows,
+documents), so plain causal or full attention runs as masked calls too (``plan.RankPlan``'s
+``plain_as_masked``); bfloat16/float16, head dims 64 and 128, Hopper GPUs (sm_90).
+
+Not chosen by ``implementation=None`` (``by_default=False``) until it has been measured against
+cuDNN on an H200; ``implementation="mosaic"`` asks for it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import mosaic_gpu
+from ..mosaic_gpu import config as mosaic_config
+from ..mosaic_gpu.backward import HEAD_DIMS  # the backward's (the forward also takes 256)
+from .contract import Kernel
+
+
+def refuses(dtype, head_dim: int) -> str | None:
+    """What these inputs lack for the Pallas kernels here ("implementation='mosaic' needs ..."),
+    or None."""
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in mosaic_config.DTYPES]:
+        return f"bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    if head_dim not in HEAD_DIMS:
+        return f"a head dim of {' or '.join(map(str, HEAD_DIMS))}, got {head_dim}"
+    device = jax.local_devices()[0]
+    if mosaic_config.compute_capability(device) != mosaic_config.COMPUTE_CAPABILITY:
+        return (
+            f"a Hopper GPU (compute capability {mosaic_config.COMPUTE_CAPABILITY}), not {device.device_kind}"
+        )
+    return None
+
+
+KERNEL = Kernel(
+    "mosaic",
+    masked_forward=mosaic_gpu.forward,
+    masked_backward=mosaic_gpu.backward,
+    refuses=refuses,
+    where="on sm_90 GPUs",
+    plain_as_masked=True,
+    by_default=False,
+)
