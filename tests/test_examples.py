@@ -66,3 +66,8 @@ def test_kernel_variant_sweep_compiles(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_transport_example_runs_on_cpu_devices():
+    out = run_python(["examples/transport_collectives.py"])
+    assert "8 ranks (XLA): gathered K (8, 2048, 8, 128), returned dK (1, 2048, 8, 128)" in out, out

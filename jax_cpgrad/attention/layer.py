@@ -241,7 +241,7 @@ def dot_product_attention(
         dim it takes, no documents and no window) and XLA elsewhere; ``jax.nn.dot_product_attention``'s
         None means XLA. With documents or a window the calls take a mask (``kernels/contract.py``),
         which cuDNN's do not; XLA's masked calls visit only the tiles the mask needs once they are
-        large (``attention/blockwise.py``). ``"mosaic"``: the project's own Pallas Mosaic GPU
+        large (``jax_cpgrad/attention/blockwise.py``). ``"mosaic"``: the project's own Pallas Mosaic GPU
         kernels (bfloat16/float16, head dims 64 and 128, Hopper GPUs only), every mask in one
         call per part; not yet measured on a GPU, so None does not choose it. The softmax and
         the merge of the parts run in float32 in all.
