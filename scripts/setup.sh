@@ -15,6 +15,10 @@ fi
 echo "== building and installing jax_cpgrad (this compiles the native module)"
 # Test hooks on: this is the development and test build (a plain `pip install .` has none).
 JAX_CPGRAD_TEST_HOOKS=ON .venv/bin/python -m pip install -q -e ".[test,bench]"
+# The CUDA plugin of the installed jax, without its CUDA libraries (8 MB): it gives Pallas its Mosaic
+# GPU lowering, so the tests lower the project's kernels for CUDA on a machine without a GPU.
+jax_version=$(.venv/bin/python -c 'import jax; print(jax.__version__)')
+.venv/bin/python -m pip install -q --no-deps "jax-cuda13-plugin==$jax_version"
 .venv/bin/python - <<'PY'
 import jax, jax_cpgrad
 print(f"== jax {jax.__version__}, jax_cpgrad {jax_cpgrad.__version__}, CUDA transport built: {jax_cpgrad.HAS_CUDA}")

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The Mosaic GPU kernels' CPU tests (tests/test_mosaic_forward.py, tests/test_mosaic_backward.py) on the oldest supported jax
-# (0.11.2) and the newest jax < 0.13, no GPU needed:
+# The Pallas Mosaic GPU kernels' CPU tests on the oldest supported jax (0.11.2); scripts/test.sh
+# runs them on the newest (its .venv has the same plugin). No GPU needed:
 # - lowering: jax.export for "cuda" runs the whole Mosaic GPU lowering on the CPU; it needs
 #   jax-cuda13-plugin of the same version, installed --no-deps (8 MB, no CUDA libraries);
 #   JAX_CPGRAD_REQUIRE_LOWERING=1 makes a missing plugin a failure, not a skip;
 # - GPU interpret mode: the kernels run on the CPU in Pallas' GPU interpreter where that jax has
 #   one (the tests skip, saying why, where it has not).
+# MOSAIC_JAX_VERSIONS picks other versions (pip requirements, e.g. "==0.11.2 >=0.12,<0.13").
 # The environments are cached under build/mosaic-lowering-jax-*; MOSAIC_LOWERING_REFRESH=1
-# recreates them (for a newer 0.12.x). Extra arguments go to pytest (e.g. -k lowers).
+# recreates them. Extra arguments go to pytest (e.g. -k lowers).
 #
 # jax_cpgrad's package imports its compiled module, so the tests import a copy of the source
 # tree's jax_cpgrad with the compiled module of .venv (scripts/setup.sh builds it, against
@@ -46,7 +47,7 @@ make_env() {  # make_env DIR JAX_REQUIREMENT
 }
 
 status=0
-for want in "==0.11.2" ">=0.12,<0.13"; do
+for want in ${MOSAIC_JAX_VERSIONS:-"==0.11.2"}; do
   case $want in
     ==*) dir=build/mosaic-lowering-jax-${want#==} ;;
     *) dir=build/mosaic-lowering-jax-0.12-newest ;;
@@ -62,7 +63,7 @@ assert plugin is not None, "jax-cuda13-plugin is missing"
 print(f"== Mosaic GPU tests on jax {jax.__version__} (jax-cuda13-plugin at {os.path.dirname(plugin.origin)})")
 PY
     JAX_CPGRAD_REQUIRE_LOWERING=1 JAX_PLATFORMS=cpu "$repo/$dir/bin/python" -m pytest -q -rs \
-      -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_mosaic_forward.py" "$repo/tests/test_mosaic_backward.py" "$@"
+      -p no:cacheprovider --rootdir "$repo" "$repo"/tests/test_mosaic_*.py "$@"
   ) || status=1
 done
 exit $status
