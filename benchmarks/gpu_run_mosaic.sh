@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One command for a GPU run of the Mosaic GPU attention kernels on one H200: install the package
+# (as benchmarks/gpu_run.sh does; skipped when this checkout is installed already), then the
+# stages named, each under its own time limit inside one budget (RUN_BUDGET_S, default 570 s, for
+# a 600 s command). Everything is logged to $OUT/run.log (tee); the tests' measured errors go to
+# $OUT/mosaic_errors.jsonl, each benchmark's JSON and PNG beside it, and the GPU's clocks and power
+# once a second to $OUT/smi.csv. OUT defaults to benchmarks/results/mosaic_run.
+#
+#   bash benchmarks/gpu_run_mosaic.sh              # tests, then bench: the first run
+#   bash benchmarks/gpu_run_mosaic.sh bench_rest   # the rest of the benchmark's grid: a second run
+#   STAGE_ARGS_bench="--seq 8k 16k" bash benchmarks/gpu_run_mosaic.sh bench   # arguments appended
+#   PYTEST_ADDOPTS="-k first_call" bash benchmarks/gpu_run_mosaic.sh tests    # a selection
+#
+# Stages:
+# - tests: tests/test_gpu_mosaic.py with JAX_CPGRAD_REQUIRE_GPU=1 (a skip is a failure), -s so that
+#   every case's errors are in the log; 200 s at most per test (a kernel that hangs ends it);
+# - bench: benchmarks/mosaic_attention.py at head dim 128 and 8 KV heads (causal 8k-128k, the
+#   window and the documents at 64k), with --budget-s so that it stops in time by itself;
+# - bench_rest: the rest of the default grid and the head-dim-64 grid: 32 KV heads at head dim
+#   128, then head dim 64 with 8 and 32 KV heads, each in what is left of the budget (points that
+#   do not fit are listed in the JSON's "skipped").
+# MOSAIC_BUILD=cuda builds the CUDA extension with the test hooks, exactly as gpu_run.sh does; by
+# default the extension is built without CUDA (faster; the Pallas kernels need nothing of it).
+# NCCL_NVLS_ENABLE=0 always: never NVLink multicast on the shared machines.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/mosaic_run}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+log="$OUT/run.log"
+started=$(date +%s)
+budget=${RUN_BUDGET_S:-570}
+stages=("$@")
+((${#stages[@]})) || stages=(tests bench)
+
+say() { echo "$*" | tee -a "$log"; }
+elapsed() { echo $(($(date +%s) - started)); }
+left() { echo $((budget - $(elapsed) - 10)); }
+args_of() { local var="STAGE_ARGS_$1"; echo "${!var:-}"; }
+
+# stage NAME LIMIT_S CMD...: CMD under min(LIMIT_S, what is left), its output teed to the log.
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  local l
+  l=$(left)
+  if ((l < 30)); then say "=== $name skipped: ${l}s left of ${budget}s"; return; fi
+  ((limit > l)) && limit=$l
+  say "=== $name (limit ${limit}s, at $(elapsed)s): $*"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  say "=== $name rc=$rc at $(elapsed)s"
+}
+
+# bench NAME SHARE ARGS...: the benchmark in SHARE % of what is left, stopping itself (--budget-s)
+# 25 s before that limit.
+bench() {
+  local name=$1 share=$2
+  shift 2
+  local l
+  l=$(($(left) * share / 100))
+  stage "$name" "$l" python3 benchmarks/mosaic_attention.py --out "$OUT/$name" --budget-s $((l - 25)) "$@"
+}
+
+{
+  echo "== $(date -u +%FT%TZ) stages: ${stages[*]}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>&1
+  python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1
+} | tee -a "$log"
+
+installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))))' 2>/dev/null)
+if [ "$installed" = "$(pwd -P)" ]; then
+  say "== jax_cpgrad is installed from this checkout: no build"
+elif [ "${MOSAIC_BUILD:-cpu}" = cuda ]; then
+  stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e .
+else
+  stage build 300 env JAX_CPGRAD_CUDA=OFF python3 -m pip install --no-build-isolation --no-deps -e .
+fi
+
+smi_pid=
+for s in "${stages[@]}"; do
+  case $s in
+    tests)
+      stage tests 330 env JAX_CPGRAD_REQUIRE_GPU=1 JAX_CPGRAD_MOSAIC_ERRORS="$OUT/mosaic_errors.jsonl" \
+        python3 -m pytest -q -s -rs -p no:cacheprovider -o timeout=200 -o timeout_method=thread \
+        tests/test_gpu_mosaic.py $(args_of tests)
+      ;;
+    bench | bench_rest)
+      if [ -z "$smi_pid" ]; then
+        nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu \
+          --format=csv -l 1 >"$OUT/smi.csv" 2>&1 &
+        smi_pid=$!
+      fi
+      if [ "$s" = bench ]; then
+        bench bench 100 --head-dim 128 --kv-heads 8 $(args_of bench)
+      else  # 7 points, then 14
+        bench bench_rest_h128_kv32 35 --head-dim 128 --kv-heads 32 $(args_of bench_rest)
+        bench bench_rest_h64 100 --head-dim 64 --kv-heads 8 32 $(args_of bench_rest)
+      fi
+      ;;
+    *) say "unknown stage $s (tests, bench, bench_rest)" ;;
+  esac
+done
+[ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
+say "== done after $(elapsed)s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
