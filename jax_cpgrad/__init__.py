@@ -1,11 +1,11 @@
 """jax_cpgrad: context-parallel attention for JAX, with K/V and dK/dV moved without NCCL.
 
 ``dot_product_attention`` is the CP attention layer (inside ``jax.shard_map``), with documents
-and sliding windows; ``balanced_document_order`` evens out the ranks' work for packed documents. Underneath it,
-``grad_return`` returns each rank's share of the global dK/dV to its owner in the load-balanced
-CP layout; ``all_gather`` is its inverse (and its VJP). With a :class:`Workspace` they run over
-the peer transport, an XLA FFI CUDA handler on XLA's own stream; without one, over XLA
-collectives.
+and sliding windows; ``balanced_document_order`` evens out the ranks' work for packed documents.
+Underneath it, ``grad_return`` returns each rank's share of the global dK/dV to its owner in the
+load-balanced CP layout; ``all_gather`` is its inverse (and its VJP). With a :class:`Workspace`
+they run over the peer transport, an XLA FFI CUDA handler on XLA's own stream; without one, over
+XLA collectives.
 """
 
 from ._native import HAS_CUDA
