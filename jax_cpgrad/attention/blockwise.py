@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import masks, tile_plan
+from .mesh_axes import varying_like
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -71,26 +72,12 @@ def _sections(r, body, carry, reads):
     """Run ``body(j, carry, masked)`` over the inner tiles of one outer tile, section by section.
 
     ``r`` holds this lane's scalars (lo, full_lo, full_hi, hi); ``reads``, the arrays the body
-    reads, whose mesh axes the carry takes on (see :func:`_varying_like`)."""
+    reads, whose mesh axes the carry takes on (``mesh_axes.py``)."""
     lo, full_lo, full_hi, hi = r
-    carry = _varying_like(carry, (r, reads))
+    carry = varying_like(carry, (r, reads))
     carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)  # masked, before
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)  # full
     return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)  # masked, after
-
-
-def _varying_like(tree, refs):
-    """``tree`` with every leaf varying over the mesh axes that ``refs`` vary over. Inside
-    ``shard_map`` a loop's carry must keep the type its body gives it, and a carry started from
-    constants does not vary over the axes of the keys it accumulates; outside, nothing changes."""
-    varying = lambda x: jax.typeof(x).manual_axis_type.varying
-    axes = set().union(*(varying(x) for x in jax.tree.leaves(refs)))
-
-    def widen(x):
-        missing = tuple(sorted(axes - varying(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(widen, tree)
 
 
 def _in_interval(lo, hi, index):

@@ -76,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api
+from .mesh_axes import varying_like
 
 _NAME = "jax_cpgrad.halo_exchange"
 # Padding rows' positions: beyond the reach of any window with left, right < c on a sequence of
@@ -409,7 +410,7 @@ def _run_transpose(call: _Call, axis_name: str, cts, fn, args):
     # receive is dead code). The zeros vary over the axes the cotangents do, as what arrived
     # does: the VJP of a value that does not would sum its cotangent over the axis.
     moved_like = jax.eval_shape(lambda x: _permute_shapes(call, _send(call, x)), like)
-    zeros = _varying_like([jnp.zeros(m.shape, m.dtype) for m in moved_like], cts)
+    zeros = varying_like([jnp.zeros(m.shape, m.dtype) for m in moved_like], cts)
     _, receive_t = jax.vjp(lambda m: _receive(call, rank, m), zeros)
     ct_moved = [receive_t(ct)[0] for ct in cts]
     if call.spec is None:
@@ -421,18 +422,6 @@ def _run_transpose(call: _Call, axis_name: str, cts, fn, args):
         )
         ct_sent = [(b,) for b in back]
     return tuple(_send_transpose(call, like, s) for s in ct_sent), y
-
-
-def _varying_like(xs, refs):
-    """``xs`` varying over every mesh axis that ``refs`` vary over (inside ``shard_map``)."""
-    varying = lambda x: jax.typeof(x).manual_axis_type.varying
-    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
-
-    def widen(x):
-        missing = tuple(sorted(axes - varying(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return [widen(x) for x in xs]
 
 
 def _permute_shapes(call: _Call, sent):

@@ -4,6 +4,9 @@
 - ``config.py``: its ``Config``, ``default_config`` and limits (``check``, ``check_device``);
 - ``backward.py``: the dQ and dK/dV kernels, ``backward(...)`` with ``BackwardConfig``.
 
+Inside ``jax.shard_map`` (the layer calls them there) the kernels read their plan scalars with
+``forward.read_scalar`` and type their results with ``forward.varying_like``: see why there.
+
 Nothing here touches a device at import: ``check_device`` reads ``jax.local_devices()`` when
 called, so the package imports (and lowers with ``jax.export``) on a machine without a GPU.
 """

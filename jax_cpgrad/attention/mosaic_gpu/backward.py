@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import tile_plan
 from ..masks import Visibility
+from ..mesh_axes import varying_like
 from . import config as config_lib
+from .forward import read_scalar
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -154,7 +157,7 @@ def _matmuls(*operands, shape):
 
 
 def _bounds(plan_refs, bp, tile):
-    return tuple(ref[bp, tile] for ref in plan_refs)
+    return tuple(read_scalar(ref, bp, tile) for ref in plan_refs)
 
 
 def _operand(x, dtype, smem_ref):
@@ -189,7 +192,7 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
     head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg = lax.axis_index("wg")
     bp = batch if per_batch_plan else 0
-    tile = order_ref[bp, i]
+    tile = read_scalar(order_ref, bp, i)
     lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
     kv_head = lax.div(head, jnp.int32(groups))
     rows = pl.ds(tile * block_q, block_q)
@@ -270,7 +273,7 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
     kv_head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg = lax.axis_index("wg")
     bp = batch if per_batch_plan else 0
-    tile = order_ref[bp, i]
+    tile = read_scalar(order_ref, bp, i)
     lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
     n_tiles = hi - lo
     keys = pl.ds(tile * block_k, block_k)
@@ -427,38 +430,41 @@ def backward(
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
     vec = lambda *shape, dt=F32: plgpu.SMEM(shape, dt)
     bars = lambda n: plgpu.Barrier(num_barriers=n)
-    launch = dict(
+    launch: dict[str, Any] = dict(
         num_threads=2, thread_name="wg", grid_names=("head", "batch", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )  # fmt: skip
 
     # fmt: off
-    dq_scratch = [
+    dq_scratch: list[Any] = [
         tiles(bq, H), tiles(bq, H), vec(bq), vec(bq), vec(bq, dt=I32), vec(bq, dt=I32),  # resident
         tiles(S, bk, H), tiles(S, bk, H),  # the K/V ring
         *([tiles(bq, bk)] if via_smem else []),  # dS
         bars(6), bars(S), bars(S), bars(S),  # resident loaded; K, V loaded; slot free
     ]
-    dkv_scratch = [
+    dkv_scratch: list[Any] = [
         tiles(bk, H), tiles(bk, H), vec(bk, dt=I32), vec(bk, dt=I32),  # resident
         tiles(S, bq, H), tiles(S, bq, H), vec(S, bq), vec(S, bq),  # the Q/dO/lse/delta ring
         *([tiles(bk, bq), tiles(bk, bq)] if via_smem else []),  # P^T, dS^T
         bars(4), bars(S), bars(S), bars(S), bars(S), bars(S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
+    dq_operands = (qp, kp, vp, dop, lse2, delta, row_lo, row_hi, *plan(rows))
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, **kw),
         out_type=jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
         scratch_types=dq_scratch,
         grid=(N, B, Tp // bq),
         **launch,
-    )(qp, kp, vp, dop, lse2, delta, row_lo, row_hi, *plan(rows))
+    )(*dq_operands)
 
+    dkv_operands = (qp, kp, vp, dop, lse2, delta, col_lo, col_hi, *plan(cols))
     dk, dv = plgpu.kernel(
         functools.partial(_dkv_kernel, **kw),
         out_type=(jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2,
         scratch_types=dkv_scratch,
         grid=(K, B, Lp // bk),
         **launch,
-    )(qp, kp, vp, dop, lse2, delta, col_lo, col_hi, *plan(cols))
+    )(*dkv_operands)
+    dq, (dk, dv) = varying_like(dq, dq_operands), varying_like((dk, dv), dkv_operands)
     return dq[:, :T], dk[:, :L], dv[:, :L]

@@ -77,6 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import tile_plan
+from ..mesh_axes import varying, varying_like
 from . import config as config_lib
 from .config import Config
 
@@ -94,6 +95,24 @@ def _pad_axis(x, axis: int, size: int, value=0):
     pads = [(0, 0)] * x.ndim
     pads[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pads, constant_values=value)
+
+
+def read_scalar(ref, *index):
+    """``ref[index]``, a scalar of the plan (a tile index or a loop bound) read from GMEM inside a
+    kernel, typed like every other value the kernel computes.
+
+    Why: inside ``jax.shard_map``, ``plgpu.kernel`` (jax's ``mpmd_map``, jax 0.11 and 0.12) gives
+    the kernel its operand refs with the operands' varying mesh axes (``int32[]{V:cp}``), but
+    traces the body with the vma check off, under which every value the body computes is
+    unvarying (``int32[]``); a loop started from a read value (``fori_loop(lo, hi, ...)``, whose
+    index is a carry) then carries ``int32[]{V:cp}`` in and ``int32[]`` out, a TypeError.
+    (``pallas_call`` drops the operands' varying axes from the kernel's refs; ``mpmd_map`` does
+    not.) Adding 0, which the Mosaic GPU compiler folds away, gives the read the body's type.
+    Outside ``shard_map`` the read is returned as it is."""
+    x = ref[index]
+    if not varying(x):
+        return x
+    return x + jnp.zeros((), x.dtype)
 
 
 def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
@@ -134,8 +153,8 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
         in_bars, k_bars, v_bars, k_free, v_free, turn = barriers
         head, batch, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
         bp = batch if per_batch else 0
-        tile = order_ref[bp, lax.axis_index("tiles")]
-        j_lo, j_flo, j_fhi, j_hi = (r[bp, tile] for r in plan_refs)
+        tile = read_scalar(order_ref, bp, lax.axis_index("tiles"))
+        j_lo, j_flo, j_fhi, j_hi = (read_scalar(r, bp, tile) for r in plan_refs)
 
         def rendezvous():  # both consumers meet: ping-pong turns
             plgpu.barrier_arrive(turn)
@@ -283,7 +302,8 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
         jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
         jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
     )
-    return plgpu.kernel(
+    operands = (q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi)
+    outs = plgpu.kernel(
         entry,
         out_type=out_type,
         grid=(N, B, n_tiles),
@@ -291,4 +311,6 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
         num_threads=C + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi)
+    )(*operands)
+    # plgpu.kernel types its results as invariant: see mesh_axes.py.
+    return varying_like(outs, operands)

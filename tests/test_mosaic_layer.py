@@ -1,0 +1,193 @@
+"""The layer with ``implementation="mosaic"`` inside ``jax.shard_map``, without a GPU.
+
+The Mosaic GPU kernels (``jax_cpgrad/attention/mosaic_gpu``) run inside ``shard_map``, where
+their operands vary over the CP axis (see ``forward.read_scalar`` and ``forward.varying_like``
+for what that asks of a ``plgpu.kernel``). The layer refuses "mosaic" off Hopper, so these
+tests replace the mosaic entry of ``kernels.KERNELS`` with one that refuses nothing.
+
+- **lowering** (``jax.export`` for ``cuda``, the whole Mosaic GPU lowering on the CPU; needs
+  ``jax-cuda13-plugin``): ``jax.grad`` of the layer under ``shard_map`` on R = 2 and 4 CPU
+  devices, for plain causal, full, a window and documents, bf16, head dim 64; the module must
+  hold the forward, dQ and dK/dV kernels;
+- **interpret** (``plgpu.force_gpu_interpret_mode``, the kernels' interpret form): the layer's
+  output and q/k/v gradients under ``shard_map`` against the dense-mask unsharded
+  ``jax.nn.dot_product_attention`` in float32, within twice that reference's own error in
+  bf16. On ONE device only (R = 1, plain causal through the transfer's path to itself, and a
+  window over documents): jax's GPU interpreter (0.11.2 and 0.12) keeps one memory for all
+  simulated devices and, at the end of every kernel, asserts that no barrier is allocated in
+  any of them, while the devices' kernels run concurrently (its clean-up waits for all of
+  them): at R >= 2 that assertion fails on the other devices' live barriers. Tiny: S = 256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_cpgrad.attention import kernels, layer as layer_lib, mosaic_gpu
+
+mb = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+H = 64
+HAS_INTERPRET = hasattr(plgpu, "force_gpu_interpret_mode") and hasattr(plgpu, "InterpretGPUParams")
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_cuda13_plugin") is not None
+needs_cuda_lowering = pytest.mark.skipif(
+    not HAS_CUDA_PLUGIN and os.environ.get("JAX_CPGRAD_REQUIRE_LOWERING") != "1",
+    reason="no jax-cuda13-plugin: Pallas has no Mosaic GPU lowering without it",
+)
+needs_interpret = pytest.mark.skipif(
+    not HAS_INTERPRET, reason=f"jax {jax.__version__}: no GPU interpret mode (plgpu.force_gpu_interpret_mode)"
+)
+
+# name -> the layer's mask arguments (documents: segment ids given per test)
+MASKS = {
+    "causal": dict(is_causal=True),
+    "full": dict(is_causal=False),
+    "window": dict(is_causal=True, local_window_size=(40, 0)),
+    "documents": dict(is_causal=True, documents=True),
+}
+
+
+def _mosaic_anywhere(monkeypatch, **entries):
+    """kernels.KERNELS with a mosaic entry that refuses nothing (and ``entries`` replaced)."""
+    replaced = tuple(
+        dataclasses.replace(k, refuses=lambda dtype, head_dim: None, **entries) if k.name == "mosaic" else k
+        for k in kernels.KERNELS
+    )
+    monkeypatch.setattr(kernels, "KERNELS", replaced)
+
+
+def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False):
+    """shard_map of (out, (dq, dk, dv)) of sum(out * d_out) for the layer, over axis "cp"."""
+    mask = dict(mask)
+    documents = mask.pop("documents", False)
+
+    def loss(q, k, v, d_out, ids):
+        out = layer_lib.attention(
+            q, k, v, axis_name="cp", implementation="mosaic", segment_ids=ids if documents else None,
+            transfer_when_alone=transfer_when_alone, **mask,
+        )  # fmt: skip
+        return jax.lax.psum(jnp.sum(out.astype(F32) * d_out), "cp"), out
+
+    def f(q, k, v, d_out, ids):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, d_out, ids)
+        return out, grads
+
+    spec = P(None, "cp")
+    return jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=(spec, (spec, spec, spec)))
+
+
+def _kernels_in(text: str) -> dict[str, int]:
+    """Mosaic GPU custom calls of an exported module by kernel: the forward (10 operands, out and
+    lse), dQ (13 operands, one result) and dK/dV (13 operands, two results)."""
+    found = {"forward": 0, "dq": 0, "dkv": 0, "other": 0}
+    for line in text.splitlines():
+        m = re.search(r"(?:%\S+?(?::(\d+))? = )?stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", line)
+        if not m:
+            continue
+        results, operands = int(m.group(1) or 1), m.group(2).count("%")
+        kind = {(10, 2): "forward", (13, 1): "dq", (13, 2): "dkv"}.get((operands, results), "other")
+        found[kind] += 1
+    return found
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("R", [2, 4])
+def test_layer_grad_lowers_for_cuda(monkeypatch, R, mask):
+    _mosaic_anywhere(monkeypatch)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
+    B, S, N, K = 1, 128 * R, 2, 1
+    sh = NamedSharding(mesh, P(None, "cp"))
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    args = (
+        arg((B, S, N, H), BF16), arg((B, S, K, H), BF16), arg((B, S, K, H), BF16),
+        arg((B, S, N, H), F32), arg((B, S), jnp.int32),
+    )  # fmt: skip
+    exported = jax.export.export(jax.jit(_grad_fn(mesh, MASKS[mask])), platforms=["cuda"])(*args)
+    found = _kernels_in(exported.mlir_module())
+    assert found["forward"] >= 1 and found["dq"] >= 1 and found["dkv"] >= 1, found
+    assert found["other"] == 0, found
+    assert found["dq"] == found["dkv"], found  # every backward call launches both
+    out, dq, dk, dv = exported.out_avals
+    assert [x.shape for x in (out, dq, dk, dv)] == [(B, S, N, H)] * 2 + [(B, S, K, H)] * 2
+
+
+# -- interpret mode (values, one device) ---------------------------------------------------------
+
+
+def _dense_mask(S: int, mask: dict, ids):
+    """bool [B, 1, S, S] of what query p sees (natural order; R = 1: CP layout is natural)."""
+    p, s = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    seen = jnp.ones((S, S), bool)
+    if mask.get("is_causal", True):
+        seen &= s <= p
+    if (w := mask.get("local_window_size")) is not None:
+        seen &= (s >= p - w[0]) & (s <= p + w[1])
+    seen = seen[None]
+    if mask.get("documents"):
+        seen = seen & (ids[:, :, None] == ids[:, None, :])
+    return seen[:, None]
+
+
+def _reference(q, k, v, d_out, seen):
+    """(out, (dq, dk, dv)) of jax.nn.dot_product_attention with the dense mask, in q's dtype."""
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, mask=seen, implementation="xla")
+        return jnp.sum(out.astype(F32) * d_out), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+INTERPRET_CASES = {
+    # R = 1 through the transfer's path (two parts, K/V from and dK/dV to the rank itself).
+    "causal_two_parts": (dict(is_causal=True), True),
+    "window_documents": (dict(is_causal=True, local_window_size=(40, 0), documents=True), False),
+}
+
+
+@needs_interpret
+@pytest.mark.parametrize("name", list(INTERPRET_CASES))
+def test_interpret_layer_matches_reference_on_one_device(monkeypatch, name):
+    """INTERPRET MODE, R = 1 (see the module docstring): values and q/k/v gradients."""
+    mask, transfer = INTERPRET_CASES[name]
+    forward_config = mosaic_gpu.default_config(H, interpret=True)
+    _mosaic_anywhere(
+        monkeypatch,
+        masked_forward=functools.partial(mosaic_gpu.forward, config=forward_config),
+        masked_backward=functools.partial(mb.backward, config=mb.default_config(H, interpret=True)),
+    )
+    B, S, N, K = 1, 256, 2, 1
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (B, S, N, H), F32).astype(BF16)
+    k = jax.random.normal(keys[1], (B, S, K, H), F32).astype(BF16)
+    v = jax.random.normal(keys[2], (B, S, K, H), F32).astype(BF16)
+    d_out = jax.random.normal(keys[3], (B, S, N, H), F32)
+    ids = jnp.asarray(np.repeat(np.arange(3), (70, 120, 66))[None], jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out, grads = jax.jit(_grad_fn(mesh, mask, transfer_when_alone=transfer))(q, k, v, d_out, ids)
+        got = [np.asarray(x.astype(F32)) for x in (out, *grads)]
+    seen = _dense_mask(S, mask, ids)
+    exact = _reference(*(x.astype(F32) for x in (q, k, v)), d_out, seen)
+    low = _reference(q, k, v, d_out, seen)
+    exact, low = ([np.asarray(x.astype(F32)) for x in jax.tree.leaves(r)] for r in (exact, low))
+    for what, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, low, strict=True):
+        assert np.isfinite(g).all(), what
+        budget = 2 * np.abs(lo - e).max()
+        err = np.abs(g - e).max()
+        assert err <= budget, f"{name} {what}: max |layer - ref| {err:.3g} > 2 x {budget / 2:.3g}"
