@@ -80,7 +80,7 @@ def summarize_gpu(streams: dict[str, list[tuple[str, int, int]]], steps: int) ->
     """streams: {stream name: [(kernel name, start ns, end ns)]} of one GPU -> per-step figures
     (ms): per kind, its kernels' time, the part of it that no compute kernel ran beside
     (exposed) and its streams; and the time no event at all ran between the trace's first and
-    last (idle; it includes the host's gap between the traced steps, and a stream-memop wait)."""
+    last (idle; it includes the host's gap between the traced steps, and a memop wait)."""
     by_kind: dict[str, list] = {kind: [] for kind in (*KINDS, "compute")}
     streams_of: dict[str, set] = {kind: set() for kind in by_kind}
     for stream, events in streams.items():

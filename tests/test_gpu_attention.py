@@ -1,7 +1,7 @@
 """The CP attention layer on a real GPU: bf16 through cuDNN against the float32 unsharded attention,
 the same bits on every run, the overlapped schedule in the compiled program with its negative
 control; documents and windows through the masked kernels. R = 1 in one process (device
-protocol, the transfer's path forced on), and R = 2 and 4 processes sharing one GPU (stream-memop
+protocol, the transfer's path forced on), and R = 2 and 4 processes sharing one GPU (memop
 protocol). Skips, with the reason, without a GPU or a
 CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
 
