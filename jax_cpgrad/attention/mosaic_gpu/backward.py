@@ -183,6 +183,15 @@ def _fill_and_drain(fill, steps, free_bars, stages):
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
 
 
+def _load_resident(pairs, barriers):
+    """TMA copies of a program's resident tiles, ``(gmem ref, smem ref)`` pairs, each on its own
+    barrier, all issued before the first wait."""
+    for n, (src, dst) in enumerate(pairs):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[n])
+    for n in range(len(pairs)):
+        plgpu.barrier_wait(barriers.at[n])
+
+
 def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
     lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dq_ref = refs[8:14]
@@ -206,10 +215,7 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
             (lse_ref.at[batch, head, rows], lse_smem), (delta_ref.at[batch, head, rows], delta_smem),
             (vlo_ref.at[bp, rows], vlo_smem), (vhi_ref.at[bp, rows], vhi_smem),
         ]  # fmt: skip
-        for n, (src, dst) in enumerate(resident):
-            plgpu.copy_gmem_to_smem(src, dst, res_bars.at[n])
-        for n in range(len(resident)):
-            plgpu.barrier_wait(res_bars.at[n])
+        _load_resident(resident, res_bars)
         shape = (block_q, block_k)
         bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
         lse = bcast(plgpu.load(lse_smem, layout=wgmma_rows))
@@ -285,10 +291,7 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
             (k_ref.at[batch, keys, kv_head], k_smem), (v_ref.at[batch, keys, kv_head], v_smem),
             (vlo_ref.at[bp, keys], vlo_smem), (vhi_ref.at[bp, keys], vhi_smem),
         ]  # fmt: skip
-        for n, (src, dst) in enumerate(resident):
-            plgpu.copy_gmem_to_smem(src, dst, res_bars.at[n])
-        for n in range(len(resident)):
-            plgpu.barrier_wait(res_bars.at[n])
+        _load_resident(resident, res_bars)
         shape = (block_k, block_q)
         vlo = lax.broadcast_in_dim(plgpu.load(vlo_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
         vhi = lax.broadcast_in_dim(plgpu.load(vhi_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
