@@ -1,6 +1,9 @@
-"""Which kernel the layer runs: the project's Pallas kernels only when asked for by name (not yet
-measured on a GPU), refused off Hopper GPUs with what to use instead; the masked XLA kernel's
-blockwise path for large calls gives the dense path's results."""
+"""Which kernel the layer runs: for implementation=None cuDNN for plain calls, the project's
+Pallas kernels for masked ones on Hopper GPUs, XLA elsewhere; the Pallas kernels refused off Hopper
+GPUs with what to use instead; the masked XLA kernel's blockwise path for large calls gives the
+dense path's results."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,11 +18,28 @@ def _query(dtype=jnp.bfloat16, head_dim=64):
     return jnp.zeros((1, 8, 4, head_dim), dtype)
 
 
-def test_none_never_picks_a_kernel_marked_not_by_default():
-    assert not kernels.by_name("mosaic").by_default
-    for masked in (False, True):
-        impl = layer._choose_implementation(None, jnp.bfloat16, 64, masked)
-        assert impl != "mosaic"
+def test_none_picks_the_pallas_kernels_for_masked_calls_where_they_run_and_xla_elsewhere(monkeypatch):
+    if kernels.mosaic.refuses(jnp.bfloat16, 64) is None:
+        pytest.skip("this machine has a Hopper GPU: see tests/test_gpu_attention.py")
+    # Off Hopper (CI): the masked XLA kernel.
+    assert layer._choose_implementation(None, jnp.bfloat16, 64, True) == "xla"
+    # Where the Pallas kernels run (here: bfloat16 only), they take masked calls before XLA, and
+    # XLA takes what they refuse.
+    only_bf16 = lambda dtype, head_dim: None if dtype == jnp.bfloat16 else "bfloat16"
+    monkeypatch.setattr(
+        kernels,
+        "KERNELS",
+        tuple(
+            dataclasses.replace(k, refuses=only_bf16) if k.name == "mosaic" else k for k in kernels.KERNELS
+        ),
+    )
+    assert layer._choose_implementation(None, jnp.bfloat16, 64, True) == "mosaic"
+    assert layer._choose_implementation(None, jnp.float32, 64, True) == "xla"
+
+
+def test_cudnn_comes_before_the_pallas_kernels_for_plain_calls():
+    names = [k.name for k in kernels.KERNELS if k.by_default]
+    assert names.index("cudnn") < names.index("mosaic") < names.index("xla")
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -11,6 +11,7 @@ import test_attention
 import test_attention_masks
 import test_gpu_attention
 from jax_cpgrad.attention import kernels, layer
+from jax_cpgrad.attention.mosaic_gpu import config as mosaic_config
 
 README = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
 SECTION = README.split("<!-- attention-layer:begin -->")[1].split("<!-- attention-layer:end -->")[0]
@@ -30,9 +31,10 @@ def test_dtypes_row_lists_the_layers_dtypes():
     assert _matrix()["dtypes"] == [_names(layer._FLOAT_DTYPES)] * 3
 
 
-def test_kernels_row_lists_the_cudnn_dtypes():
+def test_kernels_row_lists_the_cudnn_and_pallas_dtypes():
     for cell in _matrix()["kernels"]:
         assert f"cuDNN ({_names(kernels.cudnn.DTYPES)}" in cell and cell.endswith("XLA"), cell
+        assert f"ours ({_names(mosaic_config.DTYPES)}" in cell, cell
 
 
 def test_the_implementations_named_are_the_layers():

@@ -39,10 +39,12 @@ def _xla_masked_backward(q, k, v, o, lse, do, vis: Visibility, *, scale: float):
     return blockwise.backward(q, k, v, o, lse, do, vis, scale=scale)
 
 
+# implementation=None takes the first that can run a call: cuDNN for plain calls, the Pallas
+# kernels for masked ones on sm_90, XLA for everything else.
 KERNELS: tuple[Kernel, ...] = (
     cudnn.KERNEL,
-    Kernel("xla", xla.forward, xla.backward, _xla_masked_forward, _xla_masked_backward),
     mosaic.KERNEL,
+    Kernel("xla", xla.forward, xla.backward, _xla_masked_forward, _xla_masked_backward),
 )
 IMPLEMENTATIONS = tuple(kernel.name for kernel in KERNELS)
 

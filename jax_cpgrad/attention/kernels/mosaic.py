@@ -3,8 +3,9 @@ masked calls only, which express every mask the layer has (any causal offset, wi
 documents), so plain causal or full attention runs as masked calls too (``plan.RankPlan``'s
 ``plain_as_masked``); bfloat16/float16, head dims 64 and 128, Hopper GPUs (sm_90).
 
-Not chosen by ``implementation=None`` (``by_default=False``) until it has been measured against
-cuDNN on an H200; ``implementation="mosaic"`` asks for it.
+``implementation=None`` takes it for documents and windows on sm_90 (cuDNN cannot express them,
+and on an H200 it is many times faster than the masked XLA kernel); plain causal or full calls
+stay with cuDNN, whose backward is faster than ours (benchmarks/results/README.md).
 """
 
 from __future__ import annotations
@@ -40,5 +41,4 @@ KERNEL = Kernel(
     refuses=refuses,
     where="on sm_90 GPUs",
     plain_as_masked=True,
-    by_default=False,
 )
