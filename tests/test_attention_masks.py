@@ -175,6 +175,29 @@ def test_rank_without_transfer_with_a_halo_window():
     assert all(np.isfinite(np.asarray(x)).all() for x in (out, *grads))
 
 
+def test_rank_without_transfer_takes_the_whole_sequences_ids():
+    """sequence_segment_ids: the rank's own ids sliced at a traced rank, the same result as
+    passing them as segment_ids when the sequence is one document (where copies of the rank's
+    own ids are the real gathered ids); bad ones refused before tracing."""
+    q, k, v, _ = (jnp.asarray(x) for x in ac.random_inputs(16, heads=4, kv_heads=2, seed=6))
+    n, seq = 4, 64
+    one_doc = np.zeros((1, seq), np.int32)
+    given = jax.jit(
+        lambda q, k, v, r: emulation.rank_without_transfer(q, k, v, r, n, sequence_segment_ids=one_doc)
+    )
+    own_ids = jax.jit(lambda q, k, v, r, ids: emulation.rank_without_transfer(q, k, v, r, n, segment_ids=ids))
+    laid = np.asarray(cpg.to_cp_layout(one_doc, n))
+    for rank in (0, 3):
+        want = own_ids(q, k, v, jnp.int32(rank), jnp.asarray(laid[:, rank * 16 : (rank + 1) * 16]))
+        np.testing.assert_array_equal(np.asarray(given(q, k, v, jnp.int32(rank))), np.asarray(want))
+    with pytest.raises(ValueError, match="not both"):
+        emulation.rank_without_transfer(
+            q, k, v, 0, n, segment_ids=one_doc[:, :16], sequence_segment_ids=one_doc
+        )
+    with pytest.raises(ValueError, match=r"integer \[B, S\] = \[1, 64\]"):
+        emulation.rank_without_transfer(q, k, v, 0, n, sequence_segment_ids=one_doc[:, :32])
+
+
 # -- documents ---------------------------------------------------------------------------------
 
 
