@@ -12,9 +12,29 @@ the JSON (t_stand_in_gather_ms), not subtracted.
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
 bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). --window W and --documents L give
-both sides a causal sliding window of W keys and packed documents of L tokens (the rank then
-runs the masked kernels implementation=None picks; the unsharded call takes the documents as
-jax.nn.dot_product_attention's boolean mask).
+both sides a causal sliding window (a query sees itself and the W keys before it:
+``local_window_size=W``, jax.nn's (W, W), the right side 0 by causality) and packed documents of
+L tokens (segment ids ``arange(S) // L``, given to ``rank_without_transfer`` as
+``sequence_segment_ids``: each rank takes its own tokens' ids, chunks r and 2N-1-r, and gathers
+the whole sequence's, as a real rank does).
+
+--rank-implementation {cudnn,xla,mosaic}: the rank's kernels (``implementation=`` of
+``rank_without_transfer``). Default: --implementation for plain causal attention, else the
+layer's implementation=None choice (the Pallas kernels on sm_90: cuDNN takes no masks).
+
+--ideal {dense,layer}: the unsharded reference t_unsharded. ``dense`` (the default):
+``jax.nn.dot_product_attention`` with --implementation, the documents as a dense boolean mask
+(with a window or documents not a fair ideal: it visits every tile). ``layer``: t_ideal, the same
+layer computation at one rank on the whole sequence (``rank_without_transfer(q, k, v, 0, 1, ...)``
+with the rank's kernels, the window and the documents: R = 1 holds the sequence in natural order),
+so the same kernels with the same block sparsity on the whole masked problem. The masks make the
+ranks' shares of the work unequal, so with --ideal layer each rank's time is also set against its
+share: share_r is the number of visible (query, key) pairs of rank r's queries over those of the
+whole sequence (causal, the window and the documents; counted on the host per query row), and
+t_rank_r / (t_ideal x share_r) is 1.00 when nothing is wasted; a row's ``ratio_to_share`` is its
+largest over the measured ranks (kept in the JSON with ``share_by_rank``). Target: <= 1.10 for
+masked rows (a window or documents); plain causal rows, where every share is 1/N, keep the
+targets above.
 
 Times are read the same way for both sides: every program of one S and KV count (the unsharded
 call, each rank's, the stand-in) is compiled and run once, the unsharded call then keeps the GPU
@@ -42,10 +62,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 from jax_cpgrad.attention.emulation import NoTransfer  # noqa: E402
+
+MASKED_TARGET = 1.10  # t_rank_r / (t_ideal x share_r), --ideal layer, a window or documents
 
 
 def parse_tokens(text: str) -> int:
@@ -107,23 +130,67 @@ def document_ids(seq: int, length: int | None):
     return None if length is None else (jnp.arange(seq, dtype=jnp.int32) // length)[None]
 
 
+def visible_per_query(seq: int, window: int | None, documents: int | None):
+    """int64 [seq]: how many keys each query (natural order) sees under causal attention, a
+    window (``local_window_size=window``: the query and the ``window`` keys before it) and
+    documents of ``documents`` tokens (segment ids ``arange(seq) // documents``). Query p sees
+    the keys [lo, p], lo the latest of 0, p - window and its document's first token."""
+    p = np.arange(seq, dtype=np.int64)
+    lo = np.zeros_like(p)
+    if window is not None:
+        lo = np.maximum(lo, p - window)
+    if documents is not None:
+        lo = np.maximum(lo, p // documents * documents)
+    return p - lo + 1
+
+
+def visible_share(seq: int, n: int, window: int | None, documents: int | None) -> np.ndarray:
+    """float64 [n]: each rank's share of the visible (query, key) pairs of the sequence, rank r
+    holding the queries of chunks r and 2n-1-r of 2n (``to_cp_layout``); the shares sum to 1."""
+    per_chunk = visible_per_query(seq, window, documents).reshape(2 * n, seq // (2 * n)).sum(axis=1)
+    per_rank = per_chunk[:n] + per_chunk[::-1][:n]
+    return per_rank / per_chunk.sum()
+
+
+def rank_attention(q, k, v, rank, n: int, *, ids, window, implementation):
+    """``rank_without_transfer`` for rank ``rank`` of ``n``, the whole sequence's natural-order
+    ``ids`` (numpy, or None) given as ``sequence_segment_ids``: the rank takes its own from them,
+    and its gathered ids are the real ones (copies of its own would move the documents' edges)."""
+    return rank_without_transfer(
+        q, k, v, rank, n, sequence_segment_ids=ids, local_window_size=window, implementation=implementation
+    )  # fmt: skip
+
+
+def rank_implementation(opts) -> str | None:
+    """The rank's ``implementation=``: --rank-implementation, else --implementation for plain
+    causal attention and None (the layer's choice) with a window or documents."""
+    if opts.rank_implementation is not None:
+        return opts.rank_implementation
+    return opts.implementation if opts.documents is None and opts.window is None else None
+
+
 def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
     full = inputs(seq, opts.heads, kv_heads, opts.head_dim)
     ids = document_ids(seq, opts.documents)
-    mask = None if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None]
-    unsharded = fwd_bwd(
-        lambda q, k, v: jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            implementation=opts.implementation,
-            mask=mask,
-            local_window_size=opts.window,
-        )  # fmt: skip
-    )
-    programs: dict = {"unsharded": (unsharded, full)}  # key -> (jitted function, its arguments)
-    rank_impl = opts.implementation if ids is None and opts.window is None else None  # cuDNN takes no masks
+    attend = dict(ids=None if ids is None else np.asarray(ids), window=opts.window)
+    attend["implementation"] = rank_implementation(opts)
+    if opts.ideal == "layer":  # the layer at one rank: the same kernels on the whole sequence
+        unsharded = fwd_bwd(lambda q, k, v: rank_attention(q, k, v, 0, 1, **attend))
+        programs: dict = {"unsharded": (unsharded, full)}
+    else:
+        mask = None if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None]
+        unsharded = fwd_bwd(
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                implementation=opts.implementation,
+                mask=mask,
+                local_window_size=opts.window,
+            )  # fmt: skip
+        )
+        programs = {"unsharded": (unsharded, full)}  # key -> (jitted function, its arguments)
     layouts = []  # (n, chunk, ranks measured)
     for n in ns:
         local = seq // n
@@ -131,14 +198,8 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         if chunk < opts.min_chunk or local * n != seq:
             continue
         data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
-        step = fwd_bwd(
-            lambda q, k, v, rank, n=n, local=local: rank_without_transfer(
-                q, k, v, rank, n, segment_ids=None if ids is None else ids[:, :local],
-                local_window_size=opts.window,
-                implementation=rank_impl,
-            )
-        )  # fmt: skip
-        # One compiled program for every rank: the rank is a runtime value.
+        # One compiled program for every rank: the rank is a run-time value.
+        step = fwd_bwd(lambda q, k, v, rank, n=n: rank_attention(q, k, v, rank, n, **attend))
         ranks = sorted({0, n // 2, n - 1})
         programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
         if n > 1:
@@ -146,8 +207,9 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         layouts.append((n, chunk, ranks))
     times, readings = times_in_rounds(programs, opts)
     t_full = times["unsharded"]
-    say(f"S={human_tokens(seq)} KV heads {kv_heads}: unsharded {t_full * 1e3:.3f} ms")
-    kernels_full = kernel_table(unsharded, full, opts, say)
+    what = "ideal (the layer at one rank)" if opts.ideal == "layer" else "unsharded"
+    say(f"S={human_tokens(seq)} KV heads {kv_heads}: {what} {t_full * 1e3:.3f} ms")
+    kernels_full = kernel_table(*programs["unsharded"], opts, say)
     rows = []
     for n, chunk, ranks in layouts:
         per_rank = {r: times[(n, r)] for r in ranks}
@@ -158,6 +220,8 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         )
         kernels = dict(kernels_rank0=kernel_table(*programs[(n, 0)], opts, say))
         row = _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say)
+        if opts.ideal == "layer":
+            row |= _to_share(seq, n, chunk, per_rank, t_full, opts, say)
         mine = [key for key in programs if key == "unsharded" or key[0] == n]
         row["readings_ms"] = {_label(key): [t * 1e3 for t in readings[key]] for key in mine}
         rows.append(row | kernels | dict(kernels_unsharded=kernels_full))
@@ -233,10 +297,16 @@ def kernel_table(f, args, opts, say) -> list:
     return [dict(name=name, us=us, launches=launches) for name, us, launches in top]
 
 
+def masked(opts) -> bool:
+    return opts.window is not None or opts.documents is not None
+
+
 def _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say) -> dict:
     t_rank = max(per_rank.values())
     ratio = n * t_rank / t_full
-    goal = target(n, chunk)
+    # Against the layer's ideal a masked row's ranks have unequal shares: its target is on
+    # ratio_to_share (_to_share) instead.
+    goal = None if opts.ideal == "layer" and masked(opts) else target(n, chunk)
     mark = "" if goal is None else (" ok" if ratio <= goal else f" MISSES {goal:.2f}")
     where = f"N={n} chunk {human_tokens(chunk)}"
     say(f"  {where}: rank {t_rank * 1e3:.3f} ms  N x t_rank / t_unsharded = {ratio:.3f}{mark}")
@@ -249,7 +319,26 @@ def _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say) -> dict
     )  # fmt: skip
 
 
+def _to_share(seq, n, chunk, per_rank, t_ideal, opts, say) -> dict:
+    """--ideal layer: each measured rank's t_rank_r / (t_ideal x share_r) and their largest."""
+    shares = visible_share(seq, n, opts.window, opts.documents)
+    by_rank = {r: float(t / (t_ideal * shares[r])) for r, t in per_rank.items()}
+    worst = max(by_rank.values())
+    goal = MASKED_TARGET if masked(opts) else target(n, chunk)
+    mark = "" if goal is None else (" ok" if worst <= goal else f" MISSES {goal:.2f}")
+    cells = ", ".join(f"{r}: {x:.3f} (share {shares[r]:.4f})" for r, x in by_rank.items())
+    say(f"  N={n}: t_rank / (t_ideal x share) by rank {cells}; max {worst:.3f}{mark}")
+    return dict(
+        share_by_rank={str(r): float(shares[r]) for r in per_rank},
+        ratio_to_share_by_rank={str(r): x for r, x in by_rank.items()},
+        ratio_to_share=worst, target_to_share=goal,
+        meets_target_to_share=None if goal is None else worst <= goal,
+    )  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
+    """The ratios by S, KV heads and N; with --ideal layer each cell is "ratio (to share
+    ratio_to_share)"."""
     seqs = sorted({r["seq"] for r in rows})
     kvs = sorted({r["kv_heads"] for r in rows})
     ns = sorted({r["n"] for r in rows})
@@ -259,10 +348,16 @@ def table(rows: list[dict]) -> str:
             cells = []
             for n in ns:
                 hit = [r for r in rows if (r["seq"], r["kv_heads"], r["n"]) == (s, kv, n)]
-                cells.append(f"{hit[0]['ratio']:.2f}" if hit else "")
+                cells.append(_cell(hit[0]) if hit else "")
             if any(cells):
                 lines.append(f"| {human_tokens(s)} | {kv} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(row: dict) -> str:
+    if "ratio_to_share" not in row:
+        return f"{row['ratio']:.2f}"
+    return f"{row['ratio']:.2f} (to share {row['ratio_to_share']:.2f})"
 
 
 def write_png(path: str, rows: list[dict]) -> None:
@@ -271,16 +366,20 @@ def write_png(path: str, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    key = "ratio_to_share" if all("ratio_to_share" in r for r in rows) else "ratio"
     fig, ax = plt.subplots(figsize=(7, 4))
     for kv in sorted({r["kv_heads"] for r in rows}):
         for n in sorted({r["n"] for r in rows}):
-            pts = sorted((r["seq"], r["ratio"]) for r in rows if r["kv_heads"] == kv and r["n"] == n)
+            pts = sorted((r["seq"], r[key]) for r in rows if r["kv_heads"] == kv and r["n"] == n)
             if pts:
                 ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"N={n}, KV {kv}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global sequence (k tokens)")
-    ax.set_ylabel("N x t_rank / t_unsharded (ideal 1.00)")
+    if key == "ratio":
+        ax.set_ylabel("N x t_rank / t_unsharded (ideal 1.00)")
+    else:
+        ax.set_ylabel("max over ranks of t_rank / (t_ideal x share) (ideal 1.00)", fontsize=8)
     ax.set_title("CP attention per-rank work, fwd+bwd, bf16, 32x128 heads")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -305,6 +404,17 @@ def main(argv=None) -> int:
         choices=["cudnn", "xla"],
         help="default: cudnn on a GPU, xla elsewhere (a smoke run)",
     )
+    p.add_argument(
+        "--rank-implementation",
+        choices=["cudnn", "xla", "mosaic"],
+        help="the rank's kernels; default: --implementation for plain causal, else the layer's choice",
+    )
+    p.add_argument(
+        "--ideal",
+        choices=["dense", "layer"],
+        default="dense",
+        help="the reference: jax.nn's attention with a dense mask, or the layer at one rank (see above)",
+    )
     p.add_argument("--window", type=int, help="a causal sliding window of this many keys to the left")
     p.add_argument("--documents", type=int, help="packed documents of this many tokens each")
     p.add_argument("--json")
@@ -317,10 +427,14 @@ def main(argv=None) -> int:
     for seq in map(parse_tokens, opts.seq):
         for kv in opts.kv_heads:
             rows += measure(seq, kv, opts.n, opts, say)
-    say(f"N x t_rank / t_unsharded (ideal 1.00):\n{table(rows)}")
+    shares = ""
+    if opts.ideal == "layer":
+        shares = " (to share: max over ranks of t_rank / (t_ideal x share), ideal 1.00)"
+    say(f"N x t_rank / t_unsharded (ideal 1.00){shares}:\n{table(rows)}")
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
         implementation=opts.implementation, window=opts.window, documents=opts.documents,
+        rank_implementation=rank_implementation(opts), ideal=opts.ideal,
         command=" ".join(sys.argv),
     )  # fmt: skip
     if opts.json:
