@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_run_mosaic.sh              # tests, then bench: the first run
 #   bash benchmarks/gpu_run_mosaic.sh bench_rest   # the rest of the benchmark's grid: a second run
 #   STAGE_ARGS_bench="--seq 8k 16k" bash benchmarks/gpu_run_mosaic.sh bench   # arguments appended
+#   bash benchmarks/gpu_run_mosaic.sh layer_tests bench_det   # the layer's GPU tests; deterministic cuDNN
 #   PYTEST_ADDOPTS="-k first_call" bash benchmarks/gpu_run_mosaic.sh tests    # a selection
 #
 # Stages:
@@ -19,8 +20,13 @@
 # - bench_rest: the rest of the default grid and the head-dim-64 grid: 32 KV heads at head dim
 #   128, then head dim 64 with 8 and 32 KV heads, each in what is left of the budget (points that
 #   do not fit are listed in the JSON's "skipped").
-# MOSAIC_BUILD=cuda builds the CUDA extension with the test hooks, exactly as gpu_run.sh does; by
-# default the extension is built without CUDA (faster; the Pallas kernels need nothing of it).
+# - bench_det: bench with XLA_FLAGS=--xla_gpu_deterministic_ops=true (cuDNN's deterministic
+#   backward, the fair match for ours, which is deterministic always);
+# - layer_tests: tests/test_gpu_attention.py (the layer on the GPU: plain, documents and windows,
+#   the halo transfer at 2 and 4 processes sharing the GPU), which needs the CUDA build.
+# MOSAIC_BUILD=cuda (implied by layer_tests) builds the CUDA extension with the test hooks, as
+# gpu_run.sh does; otherwise the extension is built without CUDA (faster; the Pallas kernels need
+# nothing of it).
 # NCCL_NVLS_ENABLE=0 always: never NVLink multicast on the shared machines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +65,8 @@ bench() {
   shift 2
   local l
   l=$(($(left) * share / 100))
-  stage "$name" "$l" python3 benchmarks/mosaic_attention.py --out "$OUT/$name" --budget-s $((l - 25)) "$@"
+  stage "$name" "$l" env ${BENCH_ENV:-} python3 benchmarks/mosaic_attention.py --out "$OUT/$name" \
+    --budget-s $((l - 25)) "$@"
 }
 
 {
@@ -71,7 +78,7 @@ bench() {
 installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))))' 2>/dev/null)
 if [ "$installed" = "$(pwd -P)" ]; then
   say "== jax_cpgrad is installed from this checkout: no build"
-elif [ "${MOSAIC_BUILD:-cpu}" = cuda ]; then
+elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *" layer_tests "* ]]; then
   stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e .
 else
   stage build 300 env JAX_CPGRAD_CUDA=OFF python3 -m pip install --no-build-isolation --no-deps -e .
@@ -98,7 +105,15 @@ for s in "${stages[@]}"; do
         bench bench_rest_h64 100 --head-dim 64 --kv-heads 8 32 $(args_of bench_rest)
       fi
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest)" ;;
+    bench_det)  # cuDNN with XLA's deterministic ops (its deterministic backward), ours unchanged
+      BENCH_ENV=XLA_FLAGS=--xla_gpu_deterministic_ops=true bench bench_det 100 --head-dim 128 --kv-heads 8 \
+        $(args_of bench_det)
+      ;;
+    layer_tests)
+      stage layer_tests 400 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/test_gpu_attention.py $(args_of layer_tests)
+      ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

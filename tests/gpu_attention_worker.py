@@ -26,7 +26,7 @@ import hlo_schedule
 import jax_cpgrad as cpg
 from gpu_support import run_scenarios
 from jax_cpgrad import _testing, launch
-from jax_cpgrad.attention import layer as attention_layer
+from jax_cpgrad.attention import halo, layer as attention_layer
 from spmd import cp_mesh
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
@@ -111,9 +111,16 @@ def values(mesh, n):
     return _result(checks, errors=errors, protocol=protocol)
 
 
-def _layer_step(ws, head_groups: int = 1):
+def _layer_step(ws, head_groups: int = 1, local_window_size=None):
     layer_fn = lambda q, k, v: attention_layer.attention(
-        q, k, v, axis_name="cp", workspace=ws, head_groups=head_groups, transfer_when_alone=True
+        q,
+        k,
+        v,
+        axis_name="cp",
+        workspace=ws,
+        head_groups=head_groups,
+        local_window_size=local_window_size,
+        transfer_when_alone=True,
     )
 
     def body(q, k, v, ct):
@@ -129,10 +136,10 @@ def _placed(mesh, inputs):
     return ac.place(mesh, inputs, jnp.bfloat16)
 
 
-def _steps(mesh, ws, steps: int):
+def _steps(mesh, ws, steps: int, local_window_size=None):
     """Outputs (numpy, on this process) of `steps` layer steps whose inputs change every step."""
     n = mesh.shape["cp"]
-    step = _layer_step(ws)
+    step = _layer_step(ws, local_window_size=local_window_size)
     outs = []
     for s in range(steps):
         placed = _placed(mesh, _inputs(n, seed=100 + s))
@@ -286,6 +293,138 @@ def masks(mesh, n):
     return _result(checks, errors=errors)
 
 
+HALO_WINDOWS = ((True, (CHUNK // 2, 0)), (False, (CHUNK // 4, CHUNK // 8)))  # (causal, (left, right))
+
+
+def _halo_oracle(k_nat: np.ndarray, ct_by_rank: dict, n: int, left: int, right: int):
+    """numpy: each rank's halo rows (the natural-order rows at its halo positions, zeros for
+    padding) and the owners' returned gradient in CP layout ({rank: [B, 2c, ...]} float32: every
+    receiver's cotangent of a row added, in float32, into the owner's rows)."""
+    c = CHUNK
+    rows, grad_nat = {}, np.zeros(k_nat.shape, np.float32)
+    for r in range(n):
+        pos, valid = halo.halo_positions(r, n, c, left, right)
+        rows[r] = np.where(valid[None, :, None, None], k_nat[:, np.where(valid, pos, 0)], 0.0)
+        for i in np.flatnonzero(valid):  # rank order, row order: float32 adds of the cotangents
+            grad_nat[:, pos[i]] += ct_by_rank[r][:, i]
+    laid = np.asarray(cpg.to_cp_layout(grad_nat, n, seq_axis=1))
+    return rows, {r: laid[:, r * 2 * c : (r + 1) * 2 * c] for r in range(n)}
+
+
+def halo_rows(mesh, n):
+    """The halo exchange on the peer transport (plain and overlapped workspaces), causal and
+    two-sided windows smaller than a chunk: each rank's halo rows bitwise equal to the
+    natural-order rows at their positions (zeros for padding), and the VJP's returned dK bitwise
+    equal to a numpy float32 sum of the receivers' cotangents at the owners; 20 steps whose data
+    change every step (XLA replays its command buffers), every one checked."""
+    checks = {}
+    for causal, (left, right) in HALO_WINDOWS:
+        tag = f"{'causal' if causal else 'two_sided'}_{left}_{right}"
+        hl = halo.halo_length(left, right)
+        for overlap in (False, True):
+            with _workspace(mesh, overlap=overlap) as ws:
+
+                def body(k, ct, ws=ws, left=left, right=right):
+                    h, vjp = jax.vjp(
+                        lambda k: (
+                            halo.halo_exchange(k, axis_name="cp", left=left, right=right, workspace=ws).rows
+                        ),
+                        k,
+                    )
+                    return h, vjp(ct)[0]
+
+                spec = jax.sharding.PartitionSpec(None, "cp")
+                step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+                ok_rows = ok_grads = True
+                for s in range(20):
+                    rng = np.random.default_rng(1000 * s + left)
+                    k_nat = rng.standard_normal((1, 2 * n * CHUNK, KV_HEADS, HEAD_DIM)).astype(np.float32)
+                    k_nat = np.asarray(jnp.asarray(k_nat, jnp.bfloat16), np.float32)  # exact in bf16
+                    ct_all = rng.standard_normal((1, n * hl, KV_HEADS, HEAD_DIM)).astype(np.float32)
+                    ct_all = np.asarray(jnp.asarray(ct_all, jnp.bfloat16), np.float32)
+                    ct_by_rank = {r: ct_all[:, r * hl : (r + 1) * hl] for r in range(n)}
+                    (k_placed,) = ac.place(mesh, [k_nat], jnp.bfloat16)
+                    ct_placed = _sharded(mesh, ct_all)
+                    got_rows, got_grad = step(k_placed, ct_placed)
+                    want_rows, want_grad = _halo_oracle(k_nat, ct_by_rank, n, left, right)
+                    want_grad = {
+                        r: np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32) for r, g in want_grad.items()
+                    }
+                    for r, x in _shards(got_rows).items():
+                        ok_rows &= np.array_equal(x.view(np.uint32), want_rows[r].view(np.uint32))
+                    for r, x in _shards(got_grad).items():
+                        ok_grads &= np.array_equal(x.view(np.uint32), want_grad[r].view(np.uint32))
+            kind = "overlap" if overlap else "plain"
+            checks[f"{tag}_{kind}_rows_bitwise_for_20_steps"] = ok_rows
+            checks[f"{tag}_{kind}_returned_grads_bitwise_for_20_steps"] = ok_grads
+    return _result(checks)
+
+
+def _sharded(mesh, x: np.ndarray):
+    """x (float32, [B, R * rows, ...]) as bfloat16 sharded on axis 1 over "cp": rank r's rows."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
+    as_bf16 = lambda i: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
+    return jax.make_array_from_callback(x.shape, sharding, as_bf16)
+
+
+def _shards(x) -> dict[int, np.ndarray]:
+    """{rank: float32 rows} of an array sharded on axis 1 over "cp" (any length per rank)."""
+    length = x.shape[1] // len(x.sharding.mesh.devices.flat)
+    return {(s.index[1].start or 0) // length: np.asarray(s.data, np.float32) for s in x.addressable_shards}
+
+
+def halo_layer(mesh, n):
+    """The layer with windows smaller than a chunk and no documents (the halo-only transfer):
+    values and q/k/v gradients within 5e-2 of the float32 unsharded attention, causal and
+    two-sided, on a plain and an overlapped workspace, the same bits on both and on a second run
+    (the masked kernels are deterministic); the compiled overlapped step has two start/done
+    pairs (the halo's gather and its return) with attention between and no early reader, and no
+    all-gather of the whole K/V (the gathered rows are the halo's, not 2c per rank)."""
+    checks, errors = {}, {}
+    for causal, window in HALO_WINDOWS:
+        tag = "causal" if causal else "two_sided"
+        inputs = _inputs(n, seed=70 + causal)
+        ref = ac.reference(*inputs, causal=causal, local_window_size=window)
+        runs = {}
+        for overlap in (False, True):
+            with _workspace(mesh, overlap=overlap) as ws:
+                first = _cp_layer(mesh, inputs, causal=causal, workspace=ws, local_window_size=window)
+                second = _cp_layer(mesh, inputs, causal=causal, workspace=ws, local_window_size=window)
+            kind = "overlap" if overlap else "plain"
+            errors[f"{tag}_{kind}"] = ac.relative_errors(first, ref)
+            checks[f"{tag}_{kind}_within_tolerance"] = max(errors[f"{tag}_{kind}"].values()) <= BF16_TOLERANCE
+            checks[f"{tag}_{kind}_same_bits_twice"] = _bitwise(first, second)
+            runs[overlap] = first
+        checks[f"{tag}_overlap_same_bits_as_plain"] = _bitwise(runs[False], runs[True])
+    with _workspace(mesh, overlap=True) as ws:
+        step = _layer_step(ws, local_window_size=HALO_WINDOWS[0][1])
+        text = step.lower(*_placed(mesh, _inputs(n, seed=0))).compile().as_text()
+    pair_checks, pairs = _pair_checks(text, "two", 2)
+    return _result(checks | pair_checks, errors=errors, pairs=pairs)
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return all(
+        np.array_equal(a[name][r].view(np.uint32), b[name][r].view(np.uint32))
+        for name in ac.NAMES
+        for r in a[name]
+    )
+
+
+def halo_unjoined(mesh, n):
+    """The negative control of `halo_layer`'s schedule: with the dones' waits removed and the
+    owner slowed, the windowed layer's steps differ from the plain workspace's."""
+    window = HALO_WINDOWS[0][1]
+    with _workspace(mesh, overlap=True) as ws:
+        _testing.delay_finishing(ws, 0, SLOW_OWNER_NS)
+        _testing.skip_done_waits(ws)
+        got = _steps(mesh, ws, 5, local_window_size=window)
+    with _workspace(mesh, overlap=False) as plain:
+        want = _steps(mesh, plain, 5, local_window_size=window)
+    differ = [not _same(g, w) for g, w in zip(got, want, strict=True)]
+    return _result({"results_go_wrong_without_the_wait": any(differ)}, steps_differ=differ)
+
+
 SCENARIOS = {
     "values": values,
     "schedule": schedule,
@@ -293,6 +432,9 @@ SCENARIOS = {
     "head_groups": head_groups,
     "vmapped": vmapped,
     "masks": masks,
+    "halo_rows": halo_rows,
+    "halo_layer": halo_layer,
+    "halo_unjoined": halo_unjoined,
 }
 
 

@@ -12,7 +12,8 @@ import re
 _HEAD = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _CALLED = re.compile(r"(?:to_apply|calls)=(%[\w.\-]+(?:, %[\w.\-]+)*)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_MATMUL_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$fmha", re.I)  # cuDNN attention too
+# cuDNN's attention and the project's Pallas Mosaic GPU kernels (mosaic_gpu_v2) are matmul work too.
+_MATMUL_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$fmha|mosaic_gpu", re.I)
 _FORWARDING = {"get-tuple-element", "tuple", "bitcast", "opt-barrier"}
 
 

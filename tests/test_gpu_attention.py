@@ -1,6 +1,7 @@
 """The CP attention layer on a real GPU: bf16 through cuDNN against the float32 unsharded attention,
 the same bits on every run, the overlapped schedule in the compiled program with its negative
-control; documents and windows through the masked kernels. R = 1 in one process (device
+control; documents and windows through the masked kernels, and the windows' halo-only transfer
+(its rows and returned gradients bitwise, its schedule with a negative control). R = 1 in one process (device
 protocol, the transfer's path forced on), and R = 2 and 4 processes sharing one GPU (memop
 protocol). Skips, with the reason, without a GPU or a
 CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
@@ -69,11 +70,31 @@ def test_layer_ranks_sharing_one_gpu(gpu, n):
     # processes sharing a GPU ("IndexError: absl::container_internal::raw_hash_map<>::at" in
     # execute_sharded), so here two runs are compared within a tolerance (cuDNN's dQ atomics);
     # the same bits every run are checked at R = 1 (test_layer_n1_device_protocol).
-    env = {"JAX_CPGRAD_TEST_PROTOCOL": "memop"}
+    _launched(scenarios, n)
+
+
+def _launched(scenarios, n: int) -> None:
     try:
         results = launch.launch(
-            [sys.executable, WORKER, ",".join(scenarios)], n, timeout_s=600, env=env, echo=False
+            [sys.executable, WORKER, ",".join(scenarios)],
+            n,
+            timeout_s=600,
+            env={"JAX_CPGRAD_TEST_PROTOCOL": "memop"},
+            echo=False,
         )
     except launch.LaunchError as err:
         results = err.results
     assert_all_ok([r.output for r in sorted(results, key=lambda r: r.rank)], scenarios)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_halo_ranks_sharing_one_gpu(gpu, n):
+    """The window's halo-only transfer on the peer transport (a window needs R >= 2 to move
+    anything): its rows and returned gradients bitwise against numpy, the layer with windows
+    against float32, the overlapped schedule's pairs."""
+    _launched(["halo_rows", "halo_layer"], n)
+
+
+def test_halo_schedule_fails_without_the_dones_wait(gpu):
+    """Negative control: the windowed layer with the dones' waits removed and the owner slowed."""
+    _launched(["halo_unjoined"], 2)

@@ -217,6 +217,14 @@ def test_schedule_reading_counts_only_matmuls_between_a_start_and_its_done(work,
     ]
 
 
+@pytest.mark.parametrize("target,between", [("mosaic_gpu_v2", 1), ("jax_cpgrad_done", 0)])
+def test_schedule_reading_counts_the_pallas_kernels_as_attention(target, between):
+    """The masked calls' attention on sm_90 is a Mosaic GPU custom call, not a cuDNN one."""
+    kernel = f'  %a = f32[4,4] custom-call(%x), custom_call_target="{target}"\n'
+    module = MODULE.replace("WORK", "fused_add").replace("  ROOT %d", kernel + "  ROOT %d")
+    assert hlo_schedule.matmuls_between_pairs(module) == [("jax_cpgrad_all_gather_device_start", between)]
+
+
 DATAFLOW = """\
 ENTRY %main (x: f32[4,4]) -> f32[4,4] {
   %s = (f32[4,4], f32[4,4]) custom-call(%x), custom_call_target="jax_cpgrad_all_gather_device_start"
