@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_run_mosaic.sh              # tests, then bench: the first run
 #   bash benchmarks/gpu_run_mosaic.sh bench_rest   # the rest of the benchmark's grid: a second run
 #   STAGE_ARGS_bench="--seq 8k 16k" bash benchmarks/gpu_run_mosaic.sh bench   # arguments appended
-#   bash benchmarks/gpu_run_mosaic.sh layer_tests bench_det   # the layer's GPU tests; deterministic cuDNN
+#   bash benchmarks/gpu_run_mosaic.sh layer_tests              # the layer's GPU tests (halo_tests: the rest)
+#   bash benchmarks/gpu_run_mosaic.sh bench_det                # against cuDNN's deterministic backward
 #   PYTEST_ADDOPTS="-k first_call" bash benchmarks/gpu_run_mosaic.sh tests    # a selection
 #
 # Stages:
@@ -22,11 +23,13 @@
 #   do not fit are listed in the JSON's "skipped").
 # - bench_det: bench with XLA_FLAGS=--xla_gpu_deterministic_ops=true (cuDNN's deterministic
 #   backward, the fair match for ours, which is deterministic always);
-# - layer_tests: tests/test_gpu_attention.py (the layer on the GPU: plain, documents and windows,
-#   the halo transfer at 2 and 4 processes sharing the GPU), which needs the CUDA build.
-# MOSAIC_BUILD=cuda (implied by layer_tests) builds the CUDA extension with the test hooks, as
-# gpu_run.sh does; otherwise the extension is built without CUDA (faster; the Pallas kernels need
-# nothing of it).
+# - layer_tests: tests/test_gpu_attention.py but its halo tests (the layer on the GPU: plain,
+#   documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
+# - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s:
+#   each of the two in a command of its own. Both need the CUDA build.
+# MOSAIC_BUILD=cuda (implied by layer_tests and halo_tests) builds the CUDA extension with the
+# test hooks, as gpu_run.sh does; otherwise the extension is built without CUDA (faster; the
+# Pallas kernels need nothing of it).
 # NCCL_NVLS_ENABLE=0 always: never NVLink multicast on the shared machines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +81,7 @@ bench() {
 installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))))' 2>/dev/null)
 if [ "$installed" = "$(pwd -P)" ]; then
   say "== jax_cpgrad is installed from this checkout: no build"
-elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *" layer_tests "* ]]; then
+elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *_tests* ]]; then
   stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e .
 else
   stage build 300 env JAX_CPGRAD_CUDA=OFF python3 -m pip install --no-build-isolation --no-deps -e .
@@ -109,11 +112,12 @@ for s in "${stages[@]}"; do
       BENCH_ENV=XLA_FLAGS=--xla_gpu_deterministic_ops=true bench bench_det 100 --head-dim 128 --kv-heads 8 \
         $(args_of bench_det)
       ;;
-    layer_tests)
-      stage layer_tests 400 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/test_gpu_attention.py $(args_of layer_tests)
+    layer_tests | halo_tests)  # about 400 s, and about 300 s
+      select=$([ "$s" = halo_tests ] && echo halo || echo "not halo")
+      stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
