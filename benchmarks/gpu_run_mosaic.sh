@@ -27,7 +27,11 @@
 #   documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
 # - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s:
 #   each of the two in a command of its own. Both need the CUDA build.
-# MOSAIC_BUILD=cuda (implied by layer_tests and halo_tests) builds the CUDA extension with the
+# - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
+#   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 110 s each);
+# - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
+#   the peer transport (plain, overlapped) against none; needs the CUDA build.
+# MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
 # test hooks, as gpu_run.sh does; otherwise the extension is built without CUDA (faster; the
 # Pallas kernels need nothing of it).
 # NCCL_NVLS_ENABLE=0 always: never NVLink multicast on the shared machines.
@@ -81,7 +85,7 @@ bench() {
 installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))))' 2>/dev/null)
 if [ "$installed" = "$(pwd -P)" ]; then
   say "== jax_cpgrad is installed from this checkout: no build"
-elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *_tests* ]]; then
+elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *_tests* || " ${stages[*]} " == *cp_step* ]]; then
   stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e .
 else
   stage build 300 env JAX_CPGRAD_CUDA=OFF python3 -m pip install --no-build-isolation --no-deps -e .
@@ -117,7 +121,21 @@ for s in "${stages[@]}"; do
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests)" ;;
+    per_rank)  # a rank's work with windows and documents on our kernels, against its share
+      for mask in "--window 512" "--window 4096" "--documents 4096"; do
+        name=per_rank_$(echo "$mask" | tr -d ' -')
+        # shellcheck disable=SC2086  # $mask is two words
+        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 $mask \
+          --rank-implementation mosaic --ideal layer --json "$OUT/$name.json" $(args_of per_rank)
+      done
+      ;;
+    cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
+      stage cp_step_window 400 python3 benchmarks/cp_step.py --layers 6 --seq 16k --hidden 4096 \
+        --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport peer none \
+        --protocol device device+overlap --steps 10 --time-budget-s 300 \
+        --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
+      ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
