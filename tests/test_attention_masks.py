@@ -419,11 +419,11 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
         (
             {"implementation": "cudnn", "dtype": jnp.bfloat16},
             "implementation='cudnn' takes no documents and no local window (segment_ids, "
-            "local_window_size); use implementation='xla' or 'mosaic' (on sm_90 GPUs) (or None)",
+            "local_window_size); use implementation='mosaic' (on sm_90 GPUs) or 'xla' (or None)",
         ),
         (
             {"implementation": "flash"},
-            "implementation must be None, 'cudnn' or 'xla' or 'mosaic', got 'flash'",
+            "implementation must be None, 'cudnn' or 'mosaic' or 'xla', got 'flash'",
         ),
     ],
     ids=str,
