@@ -26,11 +26,8 @@ no key has out 0, lse -inf and gradients 0; -inf never meets -inf in an exponent
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import masks, tile_plan
 from .mesh_axes import varying_like
@@ -75,9 +72,7 @@ def _sections(r, body, carry, reads):
     reads, whose mesh axes the carry takes on (``mesh_axes.py``)."""
     lo, full_lo, full_hi, hi = r
     carry = varying_like(carry, (r, reads))
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)  # masked, before
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)  # full
-    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)  # masked, after
+    return tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, body, carry)
 
 
 def _in_interval(lo, hi, index):

@@ -33,6 +33,7 @@ they are visited with the element mask, which is wasted work, never a wrong resu
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,16 @@ def tile_ranges(lo_rows, hi_rows, *, outer_block: int, inner_block: int, inner_l
         hi=v_hi.astype(I32),
         order=order.astype(I32),
     )
+
+
+def over_inner_tiles(lo, full_lo, full_hi, hi, body, carry=None):
+    """``carry = body(j, carry, masked=...)`` for the inner tiles ``j`` of ``[lo, hi)`` of one
+    outer tile, in order: those before the unmasked range and after it with ``masked=True`` (they
+    need the element mask), those of ``[full_lo, full_hi)`` with ``masked=False``. The loop of
+    every kernel that follows the plan; returns the last carry."""
+    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def num_visited(ranges: TileRanges):

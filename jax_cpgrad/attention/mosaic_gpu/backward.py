@@ -228,7 +228,7 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
         cols = plgpu.broadcasted_iota(I32, shape, 1, layout=plgpu.Layout.WGMMA)
 
         def run(dq_acc):
-            def step(j, masked):
+            def step(j, carry, *, masked: bool):
                 slot = lax.rem(j - lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
@@ -243,9 +243,7 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free_bars.at[slot])
 
-            lax.fori_loop(lo, full_lo, lambda j, c: step(j, True), None)
-            lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, False), None)
-            lax.fori_loop(full_hi, hi, lambda j, c: step(j, True), None)
+            tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, step)
             return dq_acc[...]
 
         dq = pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32))
@@ -302,7 +300,7 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
         wgmma_cols = plgpu.Layout.WGMMA.reduce(0)
 
         def run(dk_acc, dv_acc):
-            def step(g, j, masked):
+            def step(g, j, carry, *, masked: bool):
                 slot = lax.rem(g * n_tiles + j - lo, jnp.int32(stages))
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
@@ -323,9 +321,7 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
                 plgpu.barrier_arrive(free_bars.at[slot])
 
             def head_loop(g, carry):
-                lax.fori_loop(lo, full_lo, lambda j, c: step(g, j, True), None)
-                lax.fori_loop(full_lo, full_hi, lambda j, c: step(g, j, False), None)
-                lax.fori_loop(full_hi, hi, lambda j, c: step(g, j, True), None)
+                tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, functools.partial(step, g))
                 return carry
 
             lax.fori_loop(0, groups, head_loop, None)

@@ -67,7 +67,6 @@ Deterministic: every output element is written once by one thread block, no atom
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -237,10 +236,7 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(j_lo, j_flo, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(j_flo, j_fhi, functools.partial(step, masked=False), carry)
-            acc, m_i, l_i = lax.fori_loop(j_fhi, j_hi, functools.partial(step, masked=True), carry)
+            acc, m_i, l_i = tile_plan.over_inner_tiles(j_lo, j_flo, j_fhi, j_hi, step, (acc, m_i, l_i))
             if config.pingpong:
                 pl.when(wg == 0)(rendezvous)
 
