@@ -350,9 +350,9 @@ def halo_rows(mesh, n):
                     want_grad = {
                         r: np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32) for r, g in want_grad.items()
                     }
-                    for r, x in _shards(got_rows).items():
+                    for r, x in ac.local_rows(got_rows).items():
                         ok_rows &= np.array_equal(x.view(np.uint32), want_rows[r].view(np.uint32))
-                    for r, x in _shards(got_grad).items():
+                    for r, x in ac.local_rows(got_grad).items():
                         ok_grads &= np.array_equal(x.view(np.uint32), want_grad[r].view(np.uint32))
             kind = "overlap" if overlap else "plain"
             checks[f"{tag}_{kind}_rows_bitwise_for_20_steps"] = ok_rows
@@ -365,12 +365,6 @@ def _sharded(mesh, x: np.ndarray):
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
     as_bf16 = lambda i: np.asarray(jnp.asarray(x[i], jnp.bfloat16))
     return jax.make_array_from_callback(x.shape, sharding, as_bf16)
-
-
-def _shards(x) -> dict[int, np.ndarray]:
-    """{rank: float32 rows} of an array sharded on axis 1 over "cp" (any length per rank)."""
-    length = x.shape[1] // len(x.sharding.mesh.devices.flat)
-    return {(s.index[1].start or 0) // length: np.asarray(s.data, np.float32) for s in x.addressable_shards}
 
 
 def halo_layer(mesh, n):
