@@ -77,6 +77,7 @@ import numpy as np
 
 from .. import api
 from .mesh_axes import varying_like
+from .rounding import rounded
 
 _NAME = "jax_cpgrad.halo_exchange"
 # Padding rows' positions: beyond the reach of any window with left, right < c on a sequence of
@@ -200,7 +201,7 @@ def _pack_bwd(c, left, right, order, like, ct):
             pad = [(0, 0)] * ct.ndim
             pad[1] = (start, like.shape[1] - start - size)
             acc = acc + jnp.pad(ct[:, lo : lo + size].astype(jnp.float32), pad)
-    return (acc.astype(like.dtype),)
+    return (rounded(acc, like.dtype),)
 
 
 _pack.defvjp(_pack_fwd, _pack_bwd)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from . import kernels
 from .plan import Call, RankPlan
+from .rounding import rounded
 
 F32 = jnp.float32
 
@@ -58,7 +59,7 @@ def merge(*parts):
     lse = functools.reduce(jnp.logaddexp, [lp for _, lp in parts])  # finite: every query sees its own key
     weight = lambda lp: jnp.swapaxes(jnp.exp(lp - lse), -1, -2)[..., None]  # [B, T, N, 1]
     out = sum(weight(lp) * op.astype(F32) for op, lp in parts)
-    return out.astype(parts[0][0].dtype), lse
+    return rounded(out, parts[0][0].dtype), lse
 
 
 # -- one call ----------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
     if len(grads) == 1:
         return grads[0]
     return tuple(
-        _sum_f32(g).astype(like.dtype) for g, like in zip(zip(*grads, strict=True), (q, k, v), strict=True)
+        rounded(_sum_f32(g), like.dtype) for g, like in zip(zip(*grads, strict=True), (q, k, v), strict=True)
     )
 
 
@@ -122,7 +123,7 @@ def _remote_backward(cfg: Config, calls, q, k_glob, v_glob, out, lse, d_out, ran
     to their dtype."""
     grads = [_call_backward(cfg, c, q, None, None, k_glob, v_glob, out, lse, d_out, rank) for c in calls]
     dq, dk, dv = (_sum_f32(g) for g in zip(*grads, strict=True))
-    return dq, dk.astype(k_glob.dtype), dv.astype(v_glob.dtype)
+    return dq, rounded(dk, k_glob.dtype), rounded(dv, v_glob.dtype)
 
 
 def _sum_f32(xs):
@@ -215,7 +216,7 @@ def _attention_fwd(cfg: Config, q, k, v, rank, words):
 def _attention_bwd(cfg: Config, residuals, d_out):
     q, k, v, kv_glob, out, lse, rank, words_glob = residuals
     calls = cfg.plan.calls(q, rank, words_glob)  # the same calls (and masks) as the forward's
-    d_out = d_out.astype(q.dtype)
+    d_out = rounded(d_out, q.dtype)
     local_backward = functools.partial(_local_backward, cfg, calls.local)
     if not calls.remote:
         return (*local_backward(q, k, v, out, lse, d_out), None, None)
@@ -240,7 +241,7 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     back, (dq_l, dk_l, dv_l) = return_grads(sending, local_backward, q, k, v, out, lse, d_out)
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
-    add = lambda a, b, like: (a.astype(F32) + b.astype(F32)).astype(like.dtype)
+    add = lambda a, b, like: rounded(a.astype(F32) + b.astype(F32), like.dtype)
     return add(_join(dqs, axis=2), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from .. import blockwise
 from ..masks import Visibility
+from ..rounding import firm
 from . import cudnn, mosaic, xla
 from .contract import Kernel
 
@@ -61,13 +62,17 @@ def _entry(impl: str, call: str) -> Callable:
     return entry
 
 
+# Every call's results are firm (``rounding.py``): the XLA kernel rounds its output in plain jnp,
+# and the layer widens it again to merge.
+
+
 def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None):
     """(out, lse) of a plain call (causal or full, ``kv_len``) of ``impl``; see ``contract.py``."""
     kernel = _entry(impl, "forward")
     if _folds_groups(q, k, causal):
         out, lse = kernel(fold_groups(q, k), k, v, causal=False, scale=scale, kv_len=kv_len)
-        return _unfold_groups(out, q), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
-    return kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len)
+        return firm((_unfold_groups(out, q), lse.reshape(q.shape[0], q.shape[2], q.shape[1])))
+    return firm(kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len))
 
 
 def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
@@ -77,18 +82,18 @@ def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_l
         fold = lambda x: fold_groups(x, k)
         lse = lse.reshape(q.shape[0], k.shape[2], -1)
         dq, dk, dv = kernel(fold(q), k, v, fold(o), lse, fold(do), causal=False, scale=scale, kv_len=kv_len)
-        return _unfold_groups(dq, q), dk, dv
-    return kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)
+        return firm((_unfold_groups(dq, q), dk, dv))
+    return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len))
 
 
 def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float):
     """(out, lse) of a masked call of ``impl``."""
-    return _entry(impl, "masked_forward")(q, k, v, vis, scale=scale)
+    return firm(_entry(impl, "masked_forward")(q, k, v, vis, scale=scale))
 
 
 def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: float):
     """(dq, dk, dv) of a masked call whose merged output and log-sum-exp are o and lse."""
-    return _entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale)
+    return firm(_entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale))
 
 
 # Without a causal mask, the G = N // K query heads that share a key head can be taken as G x T
