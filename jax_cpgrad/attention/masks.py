@@ -81,7 +81,10 @@ def run_ids(segment_ids):
     contiguous run of the natural order is one id and ids never decrease along a row."""
     ids = jnp.asarray(segment_ids)
     changes = (ids[:, 1:] != ids[:, :-1]).astype(I32)
-    return jnp.concatenate([jnp.zeros_like(changes[:, :1]), jnp.cumsum(changes, axis=1)], axis=1)
+    # a parallel prefix sum in log2(S) straight-line steps: jnp.cumsum may lower to a loop of one
+    # step per token (jax.export for CUDA gives a while loop)
+    counts = jax.lax.associative_scan(jnp.add, changes, axis=1)
+    return jnp.concatenate([jnp.zeros_like(changes[:, :1]), counts], axis=1)
 
 
 def visible(mask: Mask, q_pos, k_pos, q_seg=None, k_seg=None):
@@ -105,10 +108,16 @@ def _clip(x):
 
 
 def _search(sorted_values, targets, side: str):
-    """searchsorted along the last axis of both (``sorted_values [L]`` or ``[Bp, L]``)."""
+    """searchsorted along the last axis of both (``sorted_values [L]`` or ``[Bp, L]``).
+
+    Unrolled: jnp's default search is a while loop, and XLA runs each of its 12-17 steps on a GPU
+    as launches of their own, with the loop's test read back between steps. On an H200 the six
+    searches of a rank's masks took more time than its attention (2.8 ms for 0.56 ms of kernels,
+    window 512 at R = 8, ``benchmarks/results``); unrolled they are straight-line code."""
+    search = lambda s, t: jnp.searchsorted(s, t, side=side, method="scan_unrolled")
     if sorted_values.ndim == 1:
-        return jnp.searchsorted(sorted_values, targets, side=side).astype(I32)
-    return jax.vmap(lambda s, t: jnp.searchsorted(s, t, side=side))(sorted_values, targets).astype(I32)
+        return search(sorted_values, targets).astype(I32)
+    return jax.vmap(search)(sorted_values, targets).astype(I32)
 
 
 def _intervals(lo_pos, hi_pos, own_run, other_pos, other_run):
