@@ -14,9 +14,12 @@ window (w, w) doubles the halo). Transports:
   (R-1)x the XLA figure;
 - ``all-gather``: what the layer does without a halo, ``(R-1)/R x 2 x S x K x H x 2``.
 
-The figure this makes: **the halo's bytes as a fraction of the all-gather's**, per window
-(512, 1k, 4k), S (128k-1M) and R (2-16), for both transports (``n/a`` where the window is not
-shorter than the chunk S/(2R): that needs the all-gather). Prints the table and writes ``--json``
+Where the window is not shorter than the chunk S/(2R) there is no halo: the XLA transport moves
+the whole chunks the window reaches (``jax_cpgrad.attention.window_chunks``; the busiest rank's
+count), the peer transport gathers all K/V (``path`` says which).
+
+The figure this makes: **the bytes as a fraction of the all-gather's**, per window (512, 1k,
+4k), S (128k-1M) and R (2-16), for both transports. Prints the table and writes ``--json``
 (default ``benchmarks/results/halo_bytes.json``).
 """
 
@@ -27,6 +30,7 @@ import json
 import os
 import sys
 
+from jax_cpgrad.attention import window_chunks
 from jax_cpgrad.attention.halo import halo_transfer_nbytes
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "halo_bytes.json")
@@ -59,36 +63,47 @@ def table(windows, seqs, ranks):
                 chunk = s // (2 * r)
                 row = dict(window=w, left=w, right=0, seq=s, ranks=r, chunk=chunk, **SHAPE)
                 if w >= chunk:
-                    rows.append(dict(row, fits=False, xla=None, peer=None, all_gather=None))
+                    rows.append(dict(row, **_wider_than_a_chunk(w, s, r, chunk)))
                     continue
                 xla, peer = (halo_transfer_nbytes(seq=s, num_ranks=r, left=w, right=0, transport=t, **SHAPE)
                              for t in ("xla", "peer"))  # fmt: skip
                 rows.append(
                     dict(
-                        row, fits=True, xla=xla.halo, peer=peer.halo, all_gather=xla.all_gather,
+                        row, fits=True, path="halo", xla=xla.halo, peer=peer.halo, all_gather=xla.all_gather,
                         xla_fraction=xla.halo / xla.all_gather, peer_fraction=peer.halo / peer.all_gather,
                     )
                 )  # fmt: skip
     return rows
 
 
+def _wider_than_a_chunk(w: int, s: int, r: int, chunk: int) -> dict:
+    """The XLA transport's whole chunks (or the all-gather where they are all needed), the peer
+    transport's all-gather."""
+    row_nbytes = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * SHAPE["itemsize"]
+    all_gather = (r - 1) * 2 * (s // r) * row_nbytes
+    lay = window_chunks.layout(r, chunk, w, 0)
+    xla = all_gather if lay is None else 2 * window_chunks.transfer_nbytes(lay, row_nbytes)  # K and V
+    return dict(
+        fits=False, path="all-gather" if lay is None else "chunks", xla=xla, peer=all_gather,
+        all_gather=all_gather, xla_fraction=xla / all_gather, peer_fraction=1.0,
+    )  # fmt: skip
+
+
 def print_table(rows, out=None):
     out = out or sys.stdout
     print("bytes per rank per direction (K+V; dK+dV the same again), B=1, K=8, H=128, bf16, causal", file=out)
     print(
-        f"{'window':>6} {'S':>5} {'R':>3} {'chunk':>6}  {'halo xla':>10} {'halo peer':>10} "
+        f"{'window':>6} {'S':>5} {'R':>3} {'chunk':>6}  {'xla':>10} {'peer':>10} "
         f"{'all-gather':>10}  {'xla/ag':>8} {'peer/ag':>8}",
         file=out,
     )
     for row in rows:
         head = f"{tokens(row['window']):>6} {tokens(row['seq']):>5} {row['ranks']:>3} "
         head += f"{tokens(row['chunk']):>6}  "
-        if not row["fits"]:
-            print(head + f"{'n/a: window >= chunk, use the all-gather':>40}", file=out)
-            continue
+        note = "" if row["fits"] else f"  window >= chunk: xla {row['path']}, peer all-gather"
         print(
             head + f"{human(row['xla']):>10} {human(row['peer']):>10} {human(row['all_gather']):>10}  "
-            f"{row['xla_fraction']:>8.2%} {row['peer_fraction']:>8.2%}",
+            f"{row['xla_fraction']:>8.2%} {row['peer_fraction']:>8.2%}{note}",
             file=out,
         )
 

@@ -112,7 +112,7 @@ def test_halo_visibility_is_exact(ranks, causal, window):
     mask = masks.Mask(causal=causal, window=window)
     for r in range(ranks):
         (call,) = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words).remote
-        assert call.keys == "halo"
+        assert call.keys == "moved"
         pos, valid = halo.halo_positions(r, ranks, c, *rank_plan.halo_window(c))
         dense = np.asarray(call.vis.dense())  # [B, 2c, L]
         lo, hi = np.asarray(call.vis.col_lo), np.asarray(call.vis.col_hi)
@@ -150,7 +150,8 @@ def _lowered_without_ids(ranks: int, **kw) -> str:
 @pytest.mark.parametrize("causal,window", [(True, 3), (False, (2, 7))], ids=str)
 def test_a_window_within_a_chunk_moves_only_the_halo(causal, window):
     """collective-permutes of the halo rows (K and V to each neighbour, dK and dV back), no
-    all-gather and no reduce-scatter; a window of a chunk or more gathers K/V (the control)."""
+    all-gather and no reduce-scatter; a window that reaches every chunk gathers K/V (the
+    control; tests/test_window_chunks.py has the windows between)."""
     left, right = (window, window) if isinstance(window, int) else window
     right = 0 if causal else right
     text = _lowered_without_ids(4, local_window_size=window, is_causal=causal)
@@ -158,7 +159,7 @@ def test_a_window_within_a_chunk_moves_only_the_halo(causal, window):
     assert permutes and all(p == f"1x{left + right}x2x16" for p in permutes), permutes
     assert len(permutes) == 8  # K, V x two neighbours x (forward, backward)
     assert "all_gather" not in text and "reduce_scatter" not in text
-    wide = _lowered_without_ids(4, local_window_size=(CHUNK, 0), is_causal=causal)
+    wide = _lowered_without_ids(4, local_window_size=4 * CHUNK, is_causal=False)
     assert "all_gather" in wide and "reduce_scatter" in wide and "collective_permute" not in wide
 
 

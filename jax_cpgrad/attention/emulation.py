@@ -8,6 +8,7 @@ the rank's own would put the documents' edges elsewhere."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,8 @@ class NoTransfer:
 
     num_ranks: int
     gathered_ids: _Constant | None = None
+    # a wide window gathers all K/V, as on the peer transport (the GPU's)
+    moves_window_chunks: ClassVar[bool] = False
 
     def gather(self, xs, fn, *args):
         return tuple(jnp.concatenate([x] * self.num_ranks, axis=1) for x in xs), fn(*args)

@@ -167,6 +167,7 @@ def schedule_config(
         documents=options.documents,
         transfer_when_alone=transfer_when_alone,
         plain_as_masked=kernels.by_name(options.impl).plain_as_masked,
+        moves_window_chunks=getattr(transfer, "moves_window_chunks", False),
     )
     return schedule.Config(
         plan=plan, scale=options.scale, impl=options.impl, transfer=transfer, head_groups=options.head_groups

@@ -37,8 +37,12 @@ ids, ``masks.py``):
   other ranks' keys), which are all that travels. Their Visibility comes from the rows' global
   positions (``halo.rank_positions``, increasing) and the runs of the gathered ids at those
   positions; padding rows (``valid`` False) sit beyond the window's reach, and their columns are
-  emptied too, so no query sees them. Wider windows keep the other ranks' chunks (the whole K/V
-  gather).
+  emptied too, so no query sees them.
+- remote with a wider window's **chunks** (a side of c or more, on a transfer that moves them
+  alone: XLA's permutes, ``moves_window_chunks``): all the rank's queries against the chunks
+  the window reaches (``window_chunks.py``), the same way (positions from
+  ``window_chunks.rank_positions``). Elsewhere (the peer transport, or a window that reaches
+  every chunk) wider windows keep the other ranks' chunks (the whole K/V gather).
 
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
@@ -53,7 +57,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import halo
+from . import halo, window_chunks
 from .masks import Mask, Visibility, run_ids, visibility
 
 F32 = jnp.float32
@@ -64,8 +68,9 @@ I32 = jnp.int32
 Rows = Literal["all", "fold", "far"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
-# The halo rows of a window within a chunk (``halo.py``), as they arrived.
-Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "halo"]
+# The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
+# (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``).
+Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved"]
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +103,9 @@ class RankPlan:
     # Plain causal/full attention as masked calls too: for kernels that take only a Visibility
     # (the Pallas kernels), which express any causal offset in one call.
     plain_as_masked: bool = False
+    # The transfer can move a wide window's chunks alone (``window_chunks.py``; XLA's permutes):
+    # else such a window gathers all K/V.
+    moves_window_chunks: bool = False
 
     @property
     def masked(self) -> bool:
@@ -123,6 +131,15 @@ class RankPlan:
         left, right = self.mask.left, self.mask.right
         assert left is not None and right is not None
         return (left, right) if left < chunk_len and right < chunk_len else None
+
+    def chunk_layout(self, chunk_len: int) -> window_chunks.Layout | None:
+        """The slots of a window with a side of a chunk or more whose chunks travel alone (a
+        transfer that moves them, and fewer than all other chunks needed); None otherwise."""
+        if self.window is None or not self.has_remote or not self.moves_window_chunks:
+            return None
+        left, right = self.mask.left, self.mask.right
+        assert left is not None and right is not None
+        return window_chunks.layout(self.num_ranks, chunk_len, left, right)
 
     @property
     def gathers_ids(self) -> bool:
@@ -158,23 +175,28 @@ class RankPlan:
             return Calls(local, ())
         window = self.halo_window(c)
         if window is not None:
-            return Calls(local, (self._halo_call(c, rank, runs, q_pos, own_runs, window),))
+            k_pos, valid = halo.rank_positions(rank, self.num_ranks, c, *window)
+            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid),))
+        lay = self.chunk_layout(c)
+        if lay is not None:
+            k_pos, valid = window_chunks.rank_positions(lay, rank)
+            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
 
-    def _halo_call(self, c: int, rank, runs, q_pos, own_runs, window) -> Call:
-        """The remote call against the halo rows: positions from ``halo.rank_positions``, runs
-        those of the sequence at them (clipped: the padding rows take the first or the last run,
-        which keeps the runs non-decreasing), padding columns emptied."""
-        k_pos, valid = halo.rank_positions(rank, self.num_ranks, c, *window)
+    def _moved_call(self, runs, q_pos, own_runs, k_pos, valid) -> Call:
+        """The remote call against the rows a window's transfer brought (the halo's, or the
+        chunks'), at positions ``k_pos`` (increasing): runs those of the sequence at them
+        (clipped: the padding rows take the first or the last run, which keeps the runs
+        non-decreasing), padding (not ``valid``) columns emptied."""
         if runs is None:
             k_runs = None
         else:
             k_runs = jnp.take(runs, jnp.clip(k_pos, 0, runs.shape[1] - 1), axis=1)
         vis = visibility(self.mask, q_pos, k_pos, own_runs, k_runs)
         unseen = jnp.where(valid, vis.col_hi, vis.col_lo)
-        return Call("all", "halo", vis=dataclasses.replace(vis, col_hi=unseen))
+        return Call("all", "moved", vis=dataclasses.replace(vis, col_hi=unseen))
 
     def _own_positions(self, c: int, rank):
         """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
@@ -223,8 +245,8 @@ class RankPlan:
 
     def take_keys(self, call: Call, own, gathered, rank):
         """The call's keys (or values) from the rank's own ``[B, 2c, ...]`` or the gathered
-        ``[B, S, ...]`` ones (for ``halo``: the halo rows, as they arrived)."""
-        if call.keys in ("own", "halo"):
+        ``[B, S, ...]`` ones (for ``moved``: the rows the window's transfer brought)."""
+        if call.keys in ("own", "moved"):
             return own if call.keys == "own" else gathered
         if call.keys == "own_fold":
             return fold(own)
@@ -235,7 +257,7 @@ class RankPlan:
     def put_key_grads(self, call: Call, g, rank):
         """The call's key (or value) gradients as the rank's own ``[B, 2c, ...]`` (local calls) or
         over the gathered ``[B, S, ...]`` (remote calls, zero where the call read no key), or over
-        the halo rows ``[B, L, ...]``."""
+        the moved rows ``[B, L, ...]``."""
         if call.keys in ("own_fold", "gathered_fold"):
             return unfold(g)
         if call.keys == "first_half":

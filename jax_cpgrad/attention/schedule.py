@@ -142,10 +142,17 @@ def _gathered_ids(cfg: Config, words):
 
 def _transfers(cfg: Config, q):
     """(the K/V move, the dK/dV move back), each ``(xs, fn, *args) -> (moved, fn(*args))``: the
-    halo's for a window within a chunk, else the whole gather and return."""
+    halo's for a window within a chunk, the reached chunks' for a wider window where the
+    transfer moves them alone, else the whole gather and return."""
     c = q.shape[1] // 2
     window = cfg.plan.halo_window(c)
     t = cfg.transfer
+    lay = cfg.plan.chunk_layout(c)
+    if lay is not None:
+        return (
+            lambda xs, fn, *args: t.chunks(xs, lay, fn, *args),
+            lambda grads, fn, *args: t.return_chunks(grads, lay, fn, *args),
+        )
     if window is None:
         return t.gather, t.return_grads
     return (

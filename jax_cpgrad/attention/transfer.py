@@ -9,7 +9,9 @@ layer moves only the halo (``halo.py``): ``halo(xs, window, fn, *args)`` returns
 rows of each array [B, 2 * (left + right), ...], fn(*args))`` (``Halo.rows``; their positions
 are ``halo.rank_positions``'), and ``return_halo(grads, window, chunk_len, fn, *args)`` its
 transpose, ``(each owner's [B, 2c, ...] gradients, fn(*args))``, the owner adding the returned
-rows in float32. :class:`OnMeshAxis` is jax_cpgrad's
+rows in float32. A transfer with ``moves_window_chunks`` also moves a wider window's chunks alone
+(``window_chunks.py``): ``chunks(xs, layout, fn, *args)`` and ``return_chunks(grads, layout, fn,
+*args)``, the same way. :class:`OnMeshAxis` is jax_cpgrad's
 transport on a mesh axis (peer transport with a workspace, XLA collectives without);
 ``emulation.NoTransfer`` stands in for it on one device, to measure a rank's attention.
 """
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 
 from ..api import all_gather, all_gather_overlapped, grad_return_overlapped
 from ..spec import WorkspaceSpec
+from . import window_chunks
 from .halo import halo_exchange_overlapped, halo_return_overlapped
 
 
@@ -37,6 +40,12 @@ class Transfer(Protocol):
     def halo(self, xs, window, fn, *args): ...
 
     def return_halo(self, grads, window, chunk_len, fn, *args): ...
+
+    moves_window_chunks: bool
+
+    def chunks(self, xs, layout, fn, *args): ...
+
+    def return_chunks(self, grads, layout, fn, *args): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,20 @@ class OnMeshAxis:
             tuple(grads), fn, *args, axis_name=self.axis_name, left=left, right=right,
             chunk_len=chunk_len, workspace=self.spec,
         )  # fmt: skip
+
+    @property
+    def moves_window_chunks(self) -> bool:
+        """A wide window's chunks travel alone on XLA's permutes; the peer transport has no
+        neighbour op yet, so it gathers all K/V for them."""
+        return self.spec is None
+
+    def chunks(self, xs, layout, fn, *args):
+        y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
+        return window_chunks.exchange(layout, tuple(xs), self.axis_name), y
+
+    def return_chunks(self, grads, layout, fn, *args):
+        y = fn(*args)
+        return window_chunks.return_grads(layout, tuple(grads), self.axis_name), y
 
     def gather_ids(self, words):
         """Over the same transport as K/V (XLA's collectives fail for processes sharing a GPU),
