@@ -80,7 +80,9 @@ from jax_cpgrad.models.transformer import Config  # noqa: E402
 AXIS = "cp"
 ENV_RECORDED = ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_PREALLOCATE")  # into the JSON
 TRANSPORTS = ("xla", "peer", "none")
-IMPLEMENTATIONS = ("cudnn", "xla")
+# "auto": the layer's own choice (implementation=None: cuDNN for plain calls, our kernels for
+# windows on sm_90, XLA elsewhere)
+IMPLEMENTATIONS = ("auto", "cudnn", "xla", "mosaic")
 GRADIENT_NAMES = ("out", "dq", "dk", "dv")
 
 
@@ -218,10 +220,15 @@ def reference_loss_and_grads(params, x, probes, cfg: Config):
     return jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(params, probes)
 
 
+def layer_implementation(cfg: Config) -> str | None:
+    """The layer's ``implementation=`` for the config's name ("auto": None)."""
+    return None if cfg.implementation == "auto" else cfg.implementation
+
+
 def make_attention(transport: str, ranks: int, workspace, cfg: Config):
     """attend(q, k, v, **options) of one rank inside the step's shard_map: the layer on the
     transport, or (`none`) the same attention without communication."""
-    common = dict(implementation=cfg.implementation, head_groups=cfg.head_groups)
+    common = dict(implementation=layer_implementation(cfg), head_groups=cfg.head_groups)
     if transport == "none":
         return lambda q, k, v, **options: rank_without_transfer(
             q, k, v, jax.lax.axis_index(AXIS), ranks, **common, **options
@@ -429,7 +436,8 @@ def _parse(argv):
         "--implementation",
         default=None,
         choices=IMPLEMENTATIONS,
-        help="the layer's attention kernels (default: cudnn on GPUs for bfloat16, xla otherwise)",
+        help="the layer's attention kernels (default: on GPUs for bfloat16 cudnn, or auto (the "
+        "layer's choice) when a layer has a window; xla otherwise)",
     )
     p.add_argument(
         "--head-groups",
@@ -497,8 +505,10 @@ def layer_attention(windows) -> tuple[dict, ...]:
 
 
 def configs(opts, on_gpu: bool) -> list[Config]:
-    implementation = opts.implementation or ("cudnn" if on_gpu and opts.dtype == "bfloat16" else "xla")
     options = layer_attention(opts.local_window_size)
+    windowed = any(o.get("local_window_size") is not None for o in options)
+    gpu_choice = "auto" if windowed else "cudnn"
+    implementation = opts.implementation or (gpu_choice if on_gpu and opts.dtype == "bfloat16" else "xla")
     out = []
     for seq_text in opts.seq:  # sequence outermost: a time budget cuts the longest ones
         for hidden in opts.hidden:
@@ -695,7 +705,8 @@ def check_layer(mesh, cfg: Config, chunk: int = 64, seed: int = 0, options=None)
     ref = jax.jit(functools.partial(_out_and_grads, functools.partial(reference_attention, **options)))(
         *inputs
     )
-    layer = functools.partial(cp_attention, axis_name=AXIS, implementation=cfg.implementation, **options)
+    impl = layer_implementation(cfg)
+    layer = functools.partial(cp_attention, axis_name=AXIS, implementation=impl, **options)
     spec = P(None, AXIS)
     run = jax.jit(
         jax.shard_map(functools.partial(_out_and_grads, layer), mesh=mesh, in_specs=spec, out_specs=spec)

@@ -145,6 +145,16 @@ def test_each_layer_gets_its_own_attention_options(monkeypatch):
         cs.layer_attention(["-3"])
 
 
+def test_on_gpus_a_window_layer_takes_the_layers_own_kernel_choice():
+    """cuDNN takes no windows: with a window layer a GPU run defaults to "auto" (the layer's
+    implementation=None), else to cudnn; "auto" reaches the layer as None."""
+    common = ["--hidden", "32", "--heads", "4", "--dtype", "bfloat16"]
+    (windowed,) = cs.configs(cs._parse(["--local-window-size", "16", "none", *common]), on_gpu=True)
+    (plain,) = cs.configs(cs._parse(common), on_gpu=True)
+    assert (windowed.implementation, plain.implementation) == ("auto", "cudnn")
+    assert cs.layer_implementation(windowed) is None and cs.layer_implementation(plain) == "cudnn"
+
+
 # -- the GPU paths, lowered for CUDA on the CPU ------------------------------------------------
 
 
