@@ -5,29 +5,17 @@ natural-order array, the return bitwise against a numpy float32 sum, and what th
 
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_cpgrad as cpg
 from jax_cpgrad.attention import window_chunks as W
 from spmd import cp_mesh, spmd
+from test_attention_masks import CHUNK as LAYER_CHUNK, _lowered_without_ids
+from test_halo import B, C, D, K, _natural, _stacked
 
-B, K, D = 2, 2, 3
-C = 4  # chunk length
-# (left, right) in effect: a chunk, more than one, two-sided, right only
+# (left, right) in effect, chunks of C = 4: a chunk, more than one, two-sided, right only
 WINDOWS = [(4, 0), (9, 0), (5, 6), (0, 4), (3, 8)]
-
-
-def _natural(n, seed=0, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((B, 2 * n * C, K, D)).astype(dtype)
-
-
-def _stacked(x_nat, n):
-    cp = np.asarray(cpg.to_cp_layout(x_nat, n, seq_axis=1))
-    return np.stack(np.split(cp, n, axis=1))
 
 
 def _reached(rank, n, left, right):
@@ -121,29 +109,19 @@ def test_return_is_the_owners_float32_sum_bitwise(n, window, dtype):
         np.testing.assert_array_equal(np.asarray(got[r]).view(np.uint8), want[r].view(np.uint8))
 
 
-def _lowered(ranks, **kw):
-    spec = jax.sharding.PartitionSpec(None, "cp")
-
-    def body(q, k, v):
-        attend = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", **kw)
-        out, vjp = jax.vjp(attend, q, k, v)
-        return vjp(out)
-
-    step = jax.jit(jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=spec, out_specs=spec))
-    q = jax.ShapeDtypeStruct((1, 2 * C * ranks, 4, 16), jnp.float32)
-    kv = jax.ShapeDtypeStruct((1, 2 * C * ranks, 2, 16), jnp.float32)
-    return step.trace(q, kv, kv).lower().as_text()
-
-
-@pytest.mark.parametrize("window,causal", [((C, 0), True), ((2 * C + 1, 0), True), ((3, C + 2), False)])
+@pytest.mark.parametrize(
+    "window,causal",
+    [((LAYER_CHUNK, 0), True), ((2 * LAYER_CHUNK + 1, 0), True), ((3, LAYER_CHUNK + 2), False)],
+    ids=str,
+)
 def test_the_layer_moves_whole_chunks_by_permutes_and_gathers_nothing(window, causal):
     """R = 8: the layer's only collectives are permutes of whole chunks (K and V forward, dK and
     dV back), no all-gather, no reduce-scatter; a window reaching every chunk gathers (control)."""
-    text = _lowered(8, local_window_size=window, is_causal=causal)
+    text = _lowered_without_ids(8, local_window_size=window, is_causal=causal)
     permutes = re.findall(r"stablehlo.collective_permute.*?-> tensor<([\dx]+)xf32>", text)
-    assert permutes and all(p == f"1x{C}x2x16" for p in permutes), permutes
+    assert permutes and all(p == f"1x{LAYER_CHUNK}x2x16" for p in permutes), permutes
     assert "all_gather" not in text and "reduce_scatter" not in text
-    everything = _lowered(8, local_window_size=(100, 0), is_causal=True)
+    everything = _lowered_without_ids(8, local_window_size=1000, is_causal=False)
     assert "all_gather" in everything and "collective_permute" not in everything
 
 
