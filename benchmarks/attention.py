@@ -16,7 +16,9 @@ both sides a causal sliding window (a query sees itself and the W keys before it
 ``local_window_size=W``, jax.nn's (W, W), the right side 0 by causality) and packed documents of
 L tokens (segment ids ``arange(S) // L``, given to ``rank_without_transfer`` as
 ``sequence_segment_ids``: each rank takes its own tokens' ids, chunks r and 2N-1-r, and gathers
-the whole sequence's, as a real rank does).
+the whole sequence's, as a real rank does). --documents also takes a mix of
+``benchmarks/document_balance.py``: ``short`` (256-4k tokens, log-uniform), ``long`` (8k-64k) or
+``mixed`` (both, 5% long), drawn with seed 0, packed in the head-tail layout as they come.
 
 --rank-implementation {cudnn,xla,mosaic}: the rank's kernels (``implementation=`` of
 ``rank_without_transfer``). Default: --implementation for plain causal attention, else the
@@ -64,6 +66,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
+from document_balance import MIXES, document_lengths  # noqa: E402
 
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 from jax_cpgrad.attention.emulation import NoTransfer  # noqa: E402
@@ -125,26 +128,43 @@ def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0, dt
     return q, k, v, ct
 
 
-def document_ids(seq: int, length: int | None):
-    """int32 [1, seq] segment ids of documents of ``length`` tokens (None: no documents)."""
-    return None if length is None else (jnp.arange(seq, dtype=jnp.int32) // length)[None]
+def documents_arg(text: str) -> int | str:
+    """--documents: a length in tokens, or the name of a mix."""
+    if text in MIXES and text != "causal":
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"a positive length or one of short, long, mixed; got {text!r}")
 
 
-def visible_per_query(seq: int, window: int | None, documents: int | None):
+def document_ids(seq: int, documents: int | str | None):
+    """int32 [1, seq] segment ids: documents of ``documents`` tokens, or of a mix's lengths
+    (drawn with seed 0); None: no documents."""
+    if documents is None:
+        return None
+    if isinstance(documents, str):
+        lengths = document_lengths(documents, seq, np.random.default_rng(0))
+        return jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
+    return (jnp.arange(seq, dtype=jnp.int32) // documents)[None]
+
+
+def visible_per_query(seq: int, window: int | None, documents: int | str | None):
     """int64 [seq]: how many keys each query (natural order) sees under causal attention, a
-    window (``local_window_size=window``: the query and the ``window`` keys before it) and
-    documents of ``documents`` tokens (segment ids ``arange(seq) // documents``). Query p sees
-    the keys [lo, p], lo the latest of 0, p - window and its document's first token."""
+    window (``local_window_size=window``: the query and the ``window`` keys before it) and the
+    documents of :func:`document_ids`. Query p sees the keys [lo, p], lo the latest of 0,
+    p - window and its document's first token."""
     p = np.arange(seq, dtype=np.int64)
     lo = np.zeros_like(p)
     if window is not None:
         lo = np.maximum(lo, p - window)
     if documents is not None:
-        lo = np.maximum(lo, p // documents * documents)
+        ids = np.asarray(document_ids(seq, documents))[0]
+        starts = np.r_[True, ids[1:] != ids[:-1]]
+        lo = np.maximum(lo, np.maximum.accumulate(np.where(starts, p, 0)))
     return p - lo + 1
 
 
-def visible_share(seq: int, n: int, window: int | None, documents: int | None) -> np.ndarray:
+def visible_share(seq: int, n: int, window: int | None, documents: int | str | None) -> np.ndarray:
     """float64 [n]: each rank's share of the visible (query, key) pairs of the sequence, rank r
     holding the queries of chunks r and 2n-1-r of 2n (``to_cp_layout``); the shares sum to 1."""
     per_chunk = visible_per_query(seq, window, documents).reshape(2 * n, seq // (2 * n)).sum(axis=1)
@@ -416,7 +436,11 @@ def main(argv=None) -> int:
         help="the reference: jax.nn's attention with a dense mask, or the layer at one rank (see above)",
     )
     p.add_argument("--window", type=int, help="a causal sliding window of this many keys to the left")
-    p.add_argument("--documents", type=int, help="packed documents of this many tokens each")
+    p.add_argument(
+        "--documents",
+        type=documents_arg,
+        help="packed documents of this many tokens each, or a mix: short, long, mixed",
+    )
     p.add_argument("--json")
     p.add_argument("--png")
     opts = p.parse_args(argv)

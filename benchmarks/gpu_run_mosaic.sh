@@ -28,7 +28,8 @@
 # - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s:
 #   each of the two in a command of its own. Both need the CUDA build.
 # - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
-#   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 110 s each);
+#   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
+#   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -121,12 +122,15 @@ for s in "${stages[@]}"; do
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
-    per_rank)  # a rank's work with windows and documents on our kernels, against its share
-      for mask in "--window 512" "--window 4096" "--documents 4096"; do
+    per_rank | per_rank_mixes)  # a rank's work with masks on our kernels, against its share
+      masks=("--window 512" "--window 4096" "--documents 4096")
+      [ "$s" = per_rank_mixes ] && masks=("--documents short" "--documents long" "--documents mixed")
+      for mask in "${masks[@]}"; do
         name=per_rank_$(echo "$mask" | tr -d ' -')
         # shellcheck disable=SC2086  # $mask is two words
         stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 $mask \
-          --rank-implementation mosaic --ideal layer --json "$OUT/$name.json" $(args_of per_rank)
+          --rank-implementation mosaic --ideal layer --json "$OUT/$name.json" --png "$OUT/$name.png" \
+          $(args_of "$s")
       done
       ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
@@ -135,7 +139,7 @@ for s in "${stages[@]}"; do
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, cp_step_window)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, per_rank_mixes, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

@@ -73,8 +73,23 @@ def _dense_visible(seq, window, documents):
     if window is not None:
         seen &= p - j <= window
     if documents is not None:
-        seen &= p // documents == j // documents
+        ids = np.asarray(bench.document_ids(seq, documents))[0]
+        seen &= ids[:, None] == ids[None, :]
     return seen
+
+
+@pytest.mark.parametrize("mix", ["short", "mixed"])
+def test_a_mix_of_documents_counts_as_its_dense_mask(mix):
+    """--documents short|mixed: document_balance's lengths (seed 0); the shares from the same ids."""
+    seq = 16 * 1024
+    ids = np.asarray(bench.document_ids(seq, mix))[0]
+    assert ids.shape == (seq,) and len(np.unique(ids)) > 4 and (np.diff(ids) >= 0).all()
+    sub = 2048  # the dense check on a prefix: the documents' starts are the same there
+    same = ids[:sub, None] == ids[None, :sub]
+    dense = same & _dense_visible(sub, 300, None)
+    assert (bench.visible_per_query(seq, 300, mix)[:sub] == dense.sum(axis=1)).all()
+    with pytest.raises(SystemExit):
+        bench.main(["--documents", "medium", "--seq", "512"])
 
 
 @pytest.mark.parametrize("window, documents", MASKS)
