@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_check as ac
+import gpu_worker
 import hlo_schedule
 import jax_cpgrad as cpg
 from gpu_support import run_scenarios
 from jax_cpgrad import _testing, launch
 from jax_cpgrad.attention import halo, layer as attention_layer
-from spmd import cp_mesh
+from spmd import cp_mesh, local_ranks
 
 PROTOCOL = os.environ.get("JAX_CPGRAD_TEST_PROTOCOL", "auto")
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
@@ -45,11 +46,14 @@ def _inputs(n: int, seed: int):
     )
 
 
-def _workspace(mesh, *, overlap: bool):
+def _nbytes() -> int:
+    """The layer's workspace size for these tests' keys."""
     key = jax.ShapeDtypeStruct((1, 2 * CHUNK, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-    return cpg.Workspace(
-        mesh, "cp", nbytes=cpg.attention_workspace_nbytes(key), protocol=PROTOCOL, overlap=overlap
-    )
+    return cpg.attention_workspace_nbytes(key)
+
+
+def _workspace(mesh, *, overlap: bool):
+    return cpg.Workspace(mesh, "cp", nbytes=_nbytes(), protocol=PROTOCOL, overlap=overlap)
 
 
 def _cp_layer(mesh, inputs, **kw):
@@ -360,6 +364,33 @@ def halo_rows(mesh, n):
     return _result(checks)
 
 
+def _halo_call(mesh, n, timeout_s):
+    """gpu_worker._peer_trouble's checked call as the window's halo exchange: (workspace, run,
+    want, stuck); ``stuck(out)``: every row this rank gets from the others is NaN."""
+    left, right = HALO_WINDOWS[0][1]
+    ws = cpg.Workspace(mesh, "cp", nbytes=_nbytes(), protocol=PROTOCOL, timeout_s=timeout_s)
+    me = local_ranks(mesh)[0]
+    rng = np.random.default_rng(5)
+    k_nat = rng.standard_normal((1, 2 * n * CHUNK, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    k_nat = np.asarray(jnp.asarray(k_nat, jnp.bfloat16), np.float32)  # exact in bf16
+    (k_placed,) = ac.place(mesh, [k_nat], jnp.bfloat16)
+    rows = lambda k: halo.halo_exchange(k, axis_name="cp", left=left, right=right, workspace=ws).rows
+    spec = jax.sharding.PartitionSpec(None, "cp")
+    step = jax.jit(jax.shard_map(rows, mesh=mesh, in_specs=spec, out_specs=spec))
+    no_cts = {r: np.zeros((1, halo.halo_length(left, right), KV_HEADS, HEAD_DIM)) for r in range(n)}
+    want, _ = _halo_oracle(k_nat, no_cts, n, left, right)
+    _, valid = halo.halo_positions(me, n, CHUNK, left, right)
+    run = lambda: ac.local_rows(step(k_placed))[me].astype(np.float32)
+    return ws, run, want[me], lambda out: bool(np.all(np.isnan(out[:, valid])))
+
+
+def halo_missing_peer(mesh, n):
+    """The last rank stalls far past the workspace's timeout before the second halo exchange:
+    the others' rows from it come back NaN within the timeout, check() names it, and the next
+    call fails saying it timed out, as for the transport's own calls (gpu_worker.missing_peer)."""
+    return gpu_worker.missing_peer(mesh, n, call=_halo_call)
+
+
 def _sharded(mesh, x: np.ndarray):
     """x (float32, [B, R * rows, ...]) as bfloat16 sharded on axis 1 over "cp": rank r's rows."""
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
@@ -429,6 +460,7 @@ SCENARIOS = {
     "halo_rows": halo_rows,
     "halo_layer": halo_layer,
     "halo_unjoined": halo_unjoined,
+    "halo_missing_peer": halo_missing_peer,
 }
 
 
@@ -436,6 +468,8 @@ def main(names: list[str]) -> int:
     if "JAX_CPGRAD_COORDINATOR" in os.environ:
         launch.initialize()
     code = run_scenarios(SCENARIOS, names, cp_mesh(platform="gpu"))
+    if "halo_missing_peer" in names:
+        os._exit(code)  # a rank that saw a peer fail must not wait for it
     launch.finish(code, timeout_s=120)  # together: rank 0 hosts the coordination service
 
 

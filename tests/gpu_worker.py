@@ -591,24 +591,33 @@ def allocation_failure(mesh, n):
     )
 
 
-def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
-    """Call 1 with everyone; before call 2 the last rank runs `straggler_action`; the others call."""
+def _grad_return_call(mesh, n, timeout_s):
+    """(workspace, run, want, stuck) of _peer_trouble's checked call: a grad_return of small
+    integers; ``run()`` is this rank's result, ``stuck(out)`` whether it is all NaN."""
     shape, seq = (1, 8 * n, 2, 32), 1
     base = _integer_data(n, shape, 14)
     me = local_ranks(mesh)[0]
     ws = workspace(mesh, base[0].nbytes // n, timeout_s=timeout_s, name="trouble")
     f = spmd(mesh, lambda a: cpg.grad_return(a, axis_name="cp", seq_axis=seq, workspace=ws))
     want = grad_return_oracle(list(base), n, seq)[me]
-    first_ok = np.array_equal(f(base)[me], want)
+    return ws, lambda: f(base)[me], want, lambda out: bool(np.all(np.isnan(out)))
+
+
+def _peer_trouble(mesh, n, *, timeout_s, straggler_action, call=_grad_return_call):
+    """Call 1 with everyone; before call 2 the last rank runs `straggler_action`; the others call.
+    ``call(mesh, n, timeout_s)``: the checked call (default a grad_return), as _grad_return_call."""
+    ws, run, want, stuck = call(mesh, n, timeout_s)
+    me = local_ranks(mesh)[0]
+    first_ok = np.array_equal(run(), want)
     print(f"STEP first call done, correct={first_ok}", flush=True)
     if me == n - 1:
         straggler_action()
     t0 = time.time()
-    out = f(base)[me]
+    out = run()
     second = {
         "seconds": round(time.time() - t0, 2),
         "correct": bool(np.array_equal(out, want)),
-        "all_nan": bool(np.all(np.isnan(out))),
+        "all_nan": stuck(out),
     }
     print(f"STEP second call done: {second}", flush=True)
     try:
@@ -618,17 +627,18 @@ def _peer_trouble(mesh, n, *, timeout_s, straggler_action):
         check_error = str(err)
     print(f"STEP check done: {check_error}", flush=True)
     try:
-        f(base)
+        run()
         third_error = None
     except Exception as err:
         third_error = str(err)[:2000]
     return ws, me, first_ok, second, check_error, third_error
 
 
-def missing_peer(mesh, n):
-    """The last rank stalls far past the timeout: the others fail, naming it, and do not hang."""
+def missing_peer(mesh, n, call=_grad_return_call):
+    """The last rank stalls far past the timeout: the others fail, naming it, and do not hang.
+    ``call``: the call that meets the stall (_peer_trouble's)."""
     ws, me, first_ok, second, check_error, third_error = _peer_trouble(
-        mesh, n, timeout_s=3.0, straggler_action=lambda: time.sleep(15)
+        mesh, n, timeout_s=3.0, straggler_action=lambda: time.sleep(15), call=call
     )
     if me == n - 1:
         return result({"first_call_right": first_ok}, role="straggler")

@@ -1,7 +1,8 @@
 """The CP attention layer on a real GPU: bf16 through cuDNN against the float32 unsharded attention,
 the same bits on every run, the overlapped schedule in the compiled program with its negative
 control; documents and windows through the masked kernels, and the windows' halo-only transfer
-(its rows and returned gradients bitwise, its schedule with a negative control). R = 1 in one process (device
+(its rows and returned gradients bitwise, its schedule with a negative control, a missing
+neighbour named). R = 1 in one process (device
 protocol, the transfer's path forced on), and R = 2 and 4 processes sharing one GPU (memop
 protocol). Skips, with the reason, without a GPU or a
 CUDA build; JAX_CPGRAD_REQUIRE_GPU=1 turns those skips into failures.
@@ -93,6 +94,20 @@ def test_halo_ranks_sharing_one_gpu(gpu, n):
     anything): its rows and returned gradients bitwise against numpy, the layer with windows
     against float32, the overlapped schedule's pairs."""
     _launched(["halo_rows", "halo_layer"], n)
+
+
+def test_halo_names_a_missing_neighbour(gpu):
+    """The last rank stalls past the timeout before a halo exchange: the other's rows from it
+    are NaN within the timeout, check() names it, the next call fails (only the waiter reports:
+    once it exits the coordination service takes the straggler down)."""
+    try:
+        results = launch.launch(
+            [sys.executable, WORKER, "halo_missing_peer"], 2, timeout_s=180,
+            env={"JAX_CPGRAD_TEST_PROTOCOL": "memop"}, echo=False,
+        )  # fmt: skip
+    except launch.LaunchError as err:
+        results = err.results
+    assert_all_ok([r.output for r in sorted(results, key=lambda r: r.rank)], ["halo_missing_peer"], ranks=1)
 
 
 def test_halo_schedule_fails_without_the_dones_wait(gpu):
