@@ -1,8 +1,8 @@
-"""The layer's roundings survive XLA's excess precision (``attention/rounding.py``): in its lowered
-program no value rounded from float32 to bfloat16 is widened straight back to float32, the chain
-XLA's GPU compiler removes. Where such a chain sat, the same inputs gave different bits on a
-plain and an overlapped workspace (the overlapped transports' barriers break the chain, the
-plain ones do not); the GPU suite checks the bits themselves."""
+"""The layer's roundings survive XLA's excess precision (``jax_cpgrad/attention/rounding.py``): in
+its lowered program no value rounded from float32 to bfloat16 is widened straight back to
+float32, the chain XLA's GPU compiler removes. Where such a chain sat, the same inputs gave
+different bits on a plain and an overlapped workspace (the overlapped transports' barriers break
+the chain, the plain ones do not); the GPU suite checks the bits themselves."""
 
 import re
 
