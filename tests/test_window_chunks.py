@@ -47,6 +47,7 @@ def test_no_layout_within_a_chunk_at_one_rank_or_where_all_is_reached():
     assert W.layout(4, C, C - 1, C - 1) is None  # the halo's case
     assert W.layout(1, C, 100, 0) is None
     assert W.layout(4, C, 100, 0) is None  # reaches every chunk: the gather moves the same
+    assert W.layout(4, C, 1 << 40, 0) is None  # a window longer than any sequence: the same
     lay = W.layout(8, 2048, 4096, 0)
     assert lay is not None and lay.real_slots() == 4  # 4 chunks, against the gather's 14
 
