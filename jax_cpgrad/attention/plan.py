@@ -126,20 +126,27 @@ class RankPlan:
         """The window's sides in effect ``(left, right)`` (right 0 when causal) where the remote
         part needs only the halo, both smaller than the chunk length; None otherwise (no window,
         no remote part, or a side of a chunk or more)."""
-        if self.window is None or not self.has_remote:
+        sides = self._window_sides()
+        if sides is None:
             return None
-        left, right = self.mask.left, self.mask.right
-        assert left is not None and right is not None
-        return (left, right) if left < chunk_len and right < chunk_len else None
+        left, right = sides
+        return sides if left < chunk_len and right < chunk_len else None
 
     def chunk_layout(self, chunk_len: int) -> window_chunks.Layout | None:
         """The slots of a window with a side of a chunk or more whose chunks travel alone (a
         transfer that moves them, and fewer than all other chunks needed); None otherwise."""
-        if self.window is None or not self.has_remote or not self.moves_window_chunks:
+        sides = self._window_sides()
+        if sides is None or not self.moves_window_chunks:
+            return None
+        return window_chunks.layout(self.num_ranks, chunk_len, *sides)
+
+    def _window_sides(self) -> tuple[int, int] | None:
+        """The window's sides in effect where it has a remote part, else None."""
+        if self.window is None or not self.has_remote:
             return None
         left, right = self.mask.left, self.mask.right
         assert left is not None and right is not None
-        return window_chunks.layout(self.num_ranks, chunk_len, left, right)
+        return left, right
 
     @property
     def gathers_ids(self) -> bool:
@@ -173,17 +180,21 @@ class RankPlan:
         local = (Call("all", "own", vis=visibility(mask, q_pos, q_pos, own_runs, own_runs)),)
         if not self.has_remote:
             return Calls(local, ())
-        window = self.halo_window(c)
-        if window is not None:
-            k_pos, valid = halo.rank_positions(rank, self.num_ranks, c, *window)
-            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid),))
-        lay = self.chunk_layout(c)
-        if lay is not None:
-            k_pos, valid = window_chunks.rank_positions(lay, rank)
-            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid),))
+        moved = self._moved_positions(c, rank)
+        if moved is not None:
+            return Calls(local, (self._moved_call(runs, q_pos, own_runs, *moved),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
+
+    def _moved_positions(self, c: int, rank):
+        """(positions, valid) of the rows a window's own transfer brings (the halo's or the
+        chunks'), or None where the rank gathers all K/V."""
+        window = self.halo_window(c)
+        if window is not None:
+            return halo.rank_positions(rank, self.num_ranks, c, *window)
+        lay = self.chunk_layout(c)
+        return None if lay is None else window_chunks.rank_positions(lay, rank)
 
     def _moved_call(self, runs, q_pos, own_runs, k_pos, valid) -> Call:
         """The remote call against the rows a window's transfer brought (the halo's, or the

@@ -104,11 +104,9 @@ def layout(num_ranks: int, chunk_len: int, left: int, right: int) -> Layout | No
             if 0 <= s < 2 * n and s not in own and s not in seen:
                 chunk[r, k] = s
                 seen.add(s)
-    if int((chunk >= 0).sum(axis=1).max()) >= 2 * n - 2:
-        return None
     key = np.where(chunk >= 0, chunk, 2 * n + np.arange(len(offsets)))  # real by chunk, then the rest
-    order = np.argsort(key, axis=1, kind="stable")
-    return Layout(n, c, offsets, chunk, order)
+    lay = Layout(n, c, offsets, chunk, np.argsort(key, axis=1, kind="stable"))
+    return None if lay.real_slots() >= 2 * n - 2 else lay
 
 
 def positions(lay: Layout, rank: int):
