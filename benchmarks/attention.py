@@ -347,11 +347,15 @@ def _to_share(seq, n, chunk, per_rank, t_ideal, opts, say) -> dict:
     goal = MASKED_TARGET if masked(opts) else target(n, chunk)
     mark = "" if goal is None else (" ok" if worst <= goal else f" MISSES {goal:.2f}")
     cells = ", ".join(f"{r}: {x:.3f} (share {shares[r]:.4f})" for r, x in by_rank.items())
-    say(f"  N={n}: t_rank / (t_ideal x share) by rank {cells}; max {worst:.3f}{mark}")
+    # What a step waits on: the slowest rank against the largest share (a rank with little
+    # work can be far from its share and still finish first).
+    slowest = max(per_rank.values()) / (t_ideal * max(shares[r] for r in per_rank))
+    say(f"  N={n}: t_rank / (t_ideal x share) by rank {cells}; max {worst:.3f}{mark}; "
+        f"slowest rank / (t_ideal x largest share) {slowest:.3f}")  # fmt: skip
     return dict(
         share_by_rank={str(r): float(shares[r]) for r in per_rank},
         ratio_to_share_by_rank={str(r): x for r, x in by_rank.items()},
-        ratio_to_share=worst, target_to_share=goal,
+        ratio_to_share=worst, target_to_share=goal, ratio_slowest_to_largest_share=slowest,
         meets_target_to_share=None if goal is None else worst <= goal,
     )  # fmt: skip
 

@@ -171,6 +171,9 @@ def test_cpu_smoke_run_against_the_layer_at_one_rank(tmp_path):
             assert abs(row["share_by_rank"][r] - shares[int(r)]) < 1e-12
             by_rank[r] = t / (row["t_unsharded_ms"] * shares[int(r)])
         assert abs(row["ratio_to_share"] - max(by_rank.values())) < 1e-9
+        largest = max(row["share_by_rank"].values())
+        slowest = row["t_rank_ms"] / (row["t_unsharded_ms"] * largest)
+        assert abs(row["ratio_slowest_to_largest_share"] - slowest) < 1e-9
         assert row["target_to_share"] == 1.10 and row["target"] is None
         assert row["meets_target_to_share"] == (row["ratio_to_share"] <= 1.10)
     assert abs(sum(bench.visible_share(512, 4, 40, 96)) - 1) < 1e-12

@@ -112,12 +112,17 @@ def test_halo_visibility_is_exact(ranks, causal, window):
     mask = masks.Mask(causal=causal, window=window)
     for r in range(ranks):
         (call,) = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words).remote
+        edges = plan.edge_rows(c, *rank_plan.halo_window(c))
         assert call.keys == "moved"
+        assert (call.rows, call.edges) == (("all", ()) if edges == ((0, 2 * c),) else ("edges", edges))
         pos, valid = halo.halo_positions(r, ranks, c, *rank_plan.halo_window(c))
-        dense = np.asarray(call.vis.dense())  # [B, 2c, L]
+        compact = np.asarray(call.vis.dense())  # [B, E, L]: the edge rows alone
         lo, hi = np.asarray(call.vis.col_lo), np.asarray(call.vis.col_hi)
-        by_column = masks.interval_mask(jnp.asarray(lo), jnp.asarray(hi), 2 * c)  # [B, L, 2c]
-        np.testing.assert_array_equal(dense, np.swapaxes(np.asarray(by_column), 1, 2))
+        by_column = masks.interval_mask(jnp.asarray(lo), jnp.asarray(hi), compact.shape[1])  # [B, L, E]
+        np.testing.assert_array_equal(compact, np.swapaxes(np.asarray(by_column), 1, 2))
+        rows = np.concatenate([np.arange(a, b) for a, b in edges])
+        dense = np.zeros((compact.shape[0], 2 * c, compact.shape[2]), bool)  # [B, 2c, L]
+        dense[:, rows] = compact  # the other rows see no halo key: compared with the window's below
         assert not dense[:, :, ~valid].any()
         q_pos = np.concatenate(
             [np.arange(r * c, (r + 1) * c), np.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c)]
@@ -129,6 +134,20 @@ def test_halo_visibility_is_exact(ranks, causal, window):
         for j in np.flatnonzero(valid):
             got[:, :, column[pos[j]]] = dense[:, :, j]
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("left,right", [(5, 0), (0, 3), (2, 3), (3, 5), (7, 7), (1, 1)], ids=str)
+def test_edge_rows_are_the_rows_a_window_lets_out_of_their_chunk(left, right):
+    """Brute force over the 2c rows: a row is in an edge segment exactly when its window
+    reaches a key outside its own chunk; segments sorted, disjoint and not touching."""
+    c = CHUNK
+    edges = plan.edge_rows(c, left, right)
+    marked = np.zeros(2 * c, bool)
+    for a, b in edges:
+        marked[a:b] = True
+    i = np.arange(2 * c) % c  # a row's index in its chunk
+    np.testing.assert_array_equal(marked, (i - left < 0) | (i + right >= c))
+    assert all(b0 < a1 for (_, b0), (a1, _) in zip(edges[:-1], edges[1:], strict=True))
 
 
 def _lowered_without_ids(ranks: int, **kw) -> str:

@@ -32,12 +32,14 @@ ids, ``masks.py``):
   increasing). Left out where no query can see another rank's key: at R = 1, and for a window
   that keeps each query to its own position.
 - remote with a **halo** (a window whose sides in effect, left and right, 0 for causal, are both
-  smaller than c): all the rank's queries against the halo rows (``halo.py``: the neighbouring
-  chunks' 2 (left + right) edge rows, all that the window lets the rank's queries see of the
-  other ranks' keys), which are all that travels. Their Visibility comes from the rows' global
-  positions (``halo.rank_positions``, increasing) and the runs of the gathered ids at those
-  positions; padding rows (``valid`` False) sit beyond the window's reach, and their columns are
-  emptied too, so no query sees them.
+  smaller than c): the **edge rows** alone (each chunk's first left and last right queries, the
+  only ones the window lets see outside their chunk: ``edge_rows``) against the halo rows
+  (``halo.py``: the neighbouring chunks' 2 (left + right) edge rows, all that the window lets the
+  rank's queries see of the other ranks' keys), which are all that travels. Their Visibility
+  comes from the rows' global positions (``halo.rank_positions``, increasing) and the runs of the
+  gathered ids at those positions; padding rows (``valid`` False) sit beyond the window's reach,
+  and their columns are emptied too, so no query sees them. (Where the two edges of a chunk
+  meet, left + right >= c, the call takes all the rows.)
 - remote with a wider window's **chunks** (a side of c or more, on a transfer that moves them
   alone: XLA's permutes, ``moves_window_chunks``): all the rank's queries against the chunks
   the window reaches (``window_chunks.py``), the same way (positions from
@@ -64,8 +66,10 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 # How a call's query rows are taken from the rank's 2c rows (and its results put back):
-# all of them; the two chunks folded into the batch ([2B, c]); the far chunk 2R-1-r alone.
-Rows = Literal["all", "fold", "far"]
+# all of them; the two chunks folded into the batch ([2B, c]); the far chunk 2R-1-r alone; the
+# segments ``Call.edges`` joined (a window's edge rows: the results stay compact, and the schedule
+# merges them into the local part's rows in place, so the call costs what its rows do, not 2c).
+Rows = Literal["all", "fold", "far", "edges"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
@@ -84,6 +88,7 @@ class Call:
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kv_len: Any = None
     vis: Visibility | None = None
+    edges: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -182,7 +187,13 @@ class RankPlan:
             return Calls(local, ())
         moved = self._moved_positions(c, rank)
         if moved is not None:
-            return Calls(local, (self._moved_call(runs, q_pos, own_runs, *moved),))
+            window = self.halo_window(c)
+            edges = edge_rows(c, *window) if window is not None else ((0, 2 * c),)
+            if edges == ((0, 2 * c),):
+                return Calls(local, (self._moved_call(runs, q_pos, own_runs, *moved),))
+            at = lambda x: _take_segments(x, edges, axis=-1)
+            call = self._moved_call(runs, at(q_pos), None if own_runs is None else at(own_runs), *moved)
+            return Calls(local, (dataclasses.replace(call, rows="edges", edges=edges),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
@@ -229,6 +240,8 @@ class RankPlan:
         """The call's query rows of ``x [B, 2c, ...]`` (queries, outputs, their cotangents)."""
         if call.rows == "fold":
             return fold(x)
+        if call.rows == "edges":
+            return _take_segments(x, call.edges, axis=1)
         return _far(x) if call.rows == "far" else x
 
     @staticmethod
@@ -236,21 +249,38 @@ class RankPlan:
         """The call's rows of a log-sum-exp ``[B, N, 2c]``."""
         if call.rows == "fold":
             return fold_lse(lse)
+        if call.rows == "edges":
+            return _take_segments(lse, call.edges, axis=-1)
         return _far(lse, -1) if call.rows == "far" else lse
 
     @staticmethod
     def put_rows(call: Call, x, fill):
-        """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have."""
+        """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have
+        (``edges``: left compact, for ``into_rows``)."""
         if call.rows == "fold":
             return unfold(x)
         return _on_far_rows(x, fill) if call.rows == "far" else x
 
     @staticmethod
     def put_lse(call: Call, lse):
-        """The call's log-sum-exp as ``[B, N, 2c]`` (-inf in the rows it does not have)."""
+        """The call's log-sum-exp as ``[B, N, 2c]`` (-inf in the rows it does not have; ``edges``:
+        left compact)."""
         if call.rows == "fold":
             return unfold_lse(lse)
         return _on_far_rows(lse, -jnp.inf, -1) if call.rows == "far" else lse
+
+    @staticmethod
+    def into_rows(call: Call, full, rows, axis: int = 1):
+        """``full [.., 2c, ..]`` with an ``edges`` call's compact ``rows`` written at its segments
+        (in place: static slices); ``rows`` itself for any other call."""
+        if call.rows != "edges":
+            return rows
+        at = 0
+        for start, stop in call.edges:
+            piece = jax.lax.slice_in_dim(rows, at, at + stop - start, axis=axis)
+            full = jax.lax.dynamic_update_slice_in_dim(full, piece, start, axis=axis % full.ndim)
+            at += stop - start
+        return full
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -325,6 +355,32 @@ def runs_of(words):
 
 
 # -- layout helpers ----------------------------------------------------------------------------
+
+
+def edge_rows(c: int, left: int, right: int) -> tuple[tuple[int, int], ...]:
+    """Segments ``[start, stop)`` of a rank's 2c rows whose queries a window of sides (left,
+    right), both below c, can let see keys outside their own chunk: each chunk's first ``left``
+    and last ``right`` rows (a row further in reaches only its own chunk), the whole chunk where
+    the two meet; touching segments joined."""
+    segments: list[tuple[int, int]] = []
+    for base in (0, c):
+        if left + right >= c:
+            pieces = [(base, base + c)]
+        else:
+            pieces = [(base, base + left), (base + c - right, base + c)]
+        for start, stop in pieces:
+            if start == stop:
+                continue
+            if segments and segments[-1][1] == start:
+                start = segments.pop()[0]
+            segments.append((start, stop))
+    return tuple(segments)
+
+
+def _take_segments(x, segments, axis: int):
+    """The ``segments`` of ``x`` along ``axis``, joined."""
+    pieces = [jax.lax.slice_in_dim(x, a, b, axis=axis % x.ndim) for a, b in segments]
+    return jnp.concatenate(pieces, axis=axis)
 
 
 def _far(x, axis: int = 1):

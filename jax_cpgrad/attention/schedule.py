@@ -23,7 +23,8 @@ with the unscaled dO. Each call's backward runs that way (``kernels/contract.py`
 For a window whose sides fit in a chunk (``RankPlan.halo_window``) the transfer is the halo's
 (``Transfer.halo`` / ``return_halo``): only the neighbouring chunks' edge rows travel, in the same
 places (beside the local part, the return beside the local backward, pipelined over head groups
-the same way), and the remote part runs against them.
+the same way), and the remote part runs against them for the chunks' edge rows alone
+(``plan.edge_rows``), whose results are merged into the local part's in place.
 
 The calls themselves come from ``plan.py`` as data; this module only runs them.
 """
@@ -188,8 +189,18 @@ def _forward(cfg: Config, q, k, v, rank, words):
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
         for part in zip(*remote_parts, strict=True)
     ]
-    out, lse = merge(local, *joined)
+    out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined)
     return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, words_glob)
+
+
+def _merge_remote(plan, call: Call, local, parts):
+    """The local part merged with the remote parts, which hold ``call``'s rows: all of them, or a
+    window's edge rows (merged there and written into the local part's result; elsewhere the
+    merge would give the local part's bits back)."""
+    if call.rows != "edges":
+        return merge(local, *parts)
+    out, lse = merge((plan.take_rows(call, local[0]), plan.take_lse(call, local[1])), *parts)
+    return plan.into_rows(call, local[0], out), plan.into_rows(call, local[1], lse, axis=-1)
 
 
 def _heads(x, groups: int, axis: int = 2):
@@ -249,7 +260,12 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
     add = lambda a, b, like: rounded(a.astype(F32) + b.astype(F32), like.dtype)
-    return add(_join(dqs, axis=2), dq_l, q), add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
+    dq_r, call = _join(dqs, axis=2), calls.remote[0]
+    if call.rows == "edges":  # the remote dq holds a window's edge rows alone
+        dq = cfg.plan.into_rows(call, dq_l, add(dq_r, cfg.plan.take_rows(call, dq_l), q))
+    else:
+        dq = add(dq_r, dq_l, q)
+    return dq, add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
