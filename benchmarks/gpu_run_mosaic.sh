@@ -25,13 +25,15 @@
 #   backward, the fair match for ours, which is deterministic always);
 # - layer_tests: tests/test_gpu_attention.py but its halo tests (the layer on the GPU: plain,
 #   documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
-# - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s:
-#   each of the two in a command of its own. Both need the CUDA build.
+# - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s
+#   (268 s for both cases before the halo's call took the edge rows alone; since, the R = 2 case
+#   alone did not finish in 150 s, and it is not known whether it slowed): give it a whole command.
+#   Each of the two in a command of its own. Both need the CUDA build.
 # - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
 #   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
-#   the peer transport (plain, overlapped) against none; needs the CUDA build.
+#   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
 # test hooks, as gpu_run.sh does; otherwise the extension is built without CUDA (faster; the
 # Pallas kernels need nothing of it).
@@ -135,7 +137,7 @@ for s in "${stages[@]}"; do
       ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
       stage cp_step_window 400 python3 benchmarks/cp_step.py --layers 6 --seq 16k --hidden 4096 \
-        --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport peer none \
+        --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport xla peer none \
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
