@@ -18,7 +18,9 @@ L tokens (segment ids ``arange(S) // L``, given to ``rank_without_transfer`` as
 ``sequence_segment_ids``: each rank takes its own tokens' ids, chunks r and 2N-1-r, and gathers
 the whole sequence's, as a real rank does). --documents also takes a mix of
 ``benchmarks/document_balance.py``: ``short`` (256-4k tokens, log-uniform), ``long`` (8k-64k) or
-``mixed`` (both, 5% long), drawn with seed 0, packed in the head-tail layout as they come.
+``mixed`` (both, 5% long), drawn with seed 0, packed in the head-tail layout as they come, or
+with --balanced-order in ``jax_cpgrad.balanced_document_order``'s order for each N (whole documents
+reordered for even work; the R = 1 ideal keeps the drawn order: the same documents, the same work).
 
 --rank-implementation {cudnn,xla,mosaic}: the rank's kernels (``implementation=`` of
 ``rank_without_transfer``). Default: --implementation for plain causal attention, else the
@@ -68,6 +70,7 @@ import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 from document_balance import MIXES, document_lengths  # noqa: E402
 
+from jax_cpgrad import balanced_document_order, permute_tokens  # noqa: E402
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 from jax_cpgrad.attention.emulation import NoTransfer  # noqa: E402
 
@@ -137,37 +140,48 @@ def documents_arg(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"a positive length or one of short, long, mixed; got {text!r}")
 
 
-def document_ids(seq: int, documents: int | str | None):
+def document_ids(seq: int, documents: int | str | None, balanced_for: int | None = None):
     """int32 [1, seq] segment ids: documents of ``documents`` tokens, or of a mix's lengths
-    (drawn with seed 0); None: no documents."""
+    (drawn with seed 0); None: no documents. ``balanced_for``: R, the documents in
+    ``balanced_document_order``'s order for R ranks (None: as drawn)."""
     if documents is None:
         return None
     if isinstance(documents, str):
         lengths = document_lengths(documents, seq, np.random.default_rng(0))
-        return jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
-    return (jnp.arange(seq, dtype=jnp.int32) // documents)[None]
+        ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None]
+    else:
+        ids = (np.arange(seq, dtype=np.int32) // documents)[None]
+    if balanced_for is not None:
+        ids = permute_tokens(ids, balanced_document_order(ids, balanced_for))
+    return jnp.asarray(ids)
 
 
-def visible_per_query(seq: int, window: int | None, documents: int | str | None):
+def visible_per_query(
+    seq: int, window: int | None, documents: int | str | None, balanced_for: int | None = None
+):
     """int64 [seq]: how many keys each query (natural order) sees under causal attention, a
     window (``local_window_size=window``: the query and the ``window`` keys before it) and the
-    documents of :func:`document_ids`. Query p sees the keys [lo, p], lo the latest of 0,
-    p - window and its document's first token."""
+    documents of :func:`document_ids` (``balanced_for`` as there). Query p sees the keys
+    [lo, p], lo the latest of 0, p - window and its document's first token."""
     p = np.arange(seq, dtype=np.int64)
     lo = np.zeros_like(p)
     if window is not None:
         lo = np.maximum(lo, p - window)
     if documents is not None:
-        ids = np.asarray(document_ids(seq, documents))[0]
+        ids = np.asarray(document_ids(seq, documents, balanced_for))[0]
         starts = np.r_[True, ids[1:] != ids[:-1]]
         lo = np.maximum(lo, np.maximum.accumulate(np.where(starts, p, 0)))
     return p - lo + 1
 
 
-def visible_share(seq: int, n: int, window: int | None, documents: int | str | None) -> np.ndarray:
+def visible_share(
+    seq: int, n: int, window: int | None, documents: int | str | None, balanced: bool = False
+) -> np.ndarray:
     """float64 [n]: each rank's share of the visible (query, key) pairs of the sequence, rank r
-    holding the queries of chunks r and 2n-1-r of 2n (``to_cp_layout``); the shares sum to 1."""
-    per_chunk = visible_per_query(seq, window, documents).reshape(2 * n, seq // (2 * n)).sum(axis=1)
+    holding the queries of chunks r and 2n-1-r of 2n (``to_cp_layout``); the shares sum to 1.
+    ``balanced``: the documents in ``balanced_document_order``'s order for n ranks."""
+    visible = visible_per_query(seq, window, documents, n if balanced else None)
+    per_chunk = visible.reshape(2 * n, seq // (2 * n)).sum(axis=1)
     per_rank = per_chunk[:n] + per_chunk[::-1][:n]
     return per_rank / per_chunk.sum()
 
@@ -218,8 +232,11 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         if chunk < opts.min_chunk or local * n != seq:
             continue
         data = inputs(local, opts.heads, kv_heads, opts.head_dim, seed=n)
+        mine = attend
+        if opts.balanced_order and ids is not None:
+            mine = attend | dict(ids=np.asarray(document_ids(seq, opts.documents, n)))
         # One compiled program for every rank: the rank is a run-time value.
-        step = fwd_bwd(lambda q, k, v, rank, n=n: rank_attention(q, k, v, rank, n, **attend))
+        step = fwd_bwd(lambda q, k, v, rank, n=n, mine=mine: rank_attention(q, k, v, rank, n, **mine))
         ranks = sorted({0, n // 2, n - 1})
         programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
         if n > 1:
@@ -341,7 +358,7 @@ def _row(seq, kv_heads, n, chunk, per_rank, stand_in, t_full, opts, say) -> dict
 
 def _to_share(seq, n, chunk, per_rank, t_ideal, opts, say) -> dict:
     """--ideal layer: each measured rank's t_rank_r / (t_ideal x share_r) and their largest."""
-    shares = visible_share(seq, n, opts.window, opts.documents)
+    shares = visible_share(seq, n, opts.window, opts.documents, opts.balanced_order)
     by_rank = {r: float(t / (t_ideal * shares[r])) for r, t in per_rank.items()}
     worst = max(by_rank.values())
     goal = MASKED_TARGET if masked(opts) else target(n, chunk)
@@ -445,6 +462,11 @@ def main(argv=None) -> int:
         type=documents_arg,
         help="packed documents of this many tokens each, or a mix: short, long, mixed",
     )
+    p.add_argument(
+        "--balanced-order",
+        action="store_true",
+        help="--documents reordered by jax_cpgrad.balanced_document_order for each N",
+    )
     p.add_argument("--json")
     p.add_argument("--png")
     opts = p.parse_args(argv)
@@ -462,6 +484,7 @@ def main(argv=None) -> int:
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
         implementation=opts.implementation, window=opts.window, documents=opts.documents,
+        balanced_order=opts.balanced_order,
         rank_implementation=rank_implementation(opts), ideal=opts.ideal,
         command=" ".join(sys.argv),
     )  # fmt: skip

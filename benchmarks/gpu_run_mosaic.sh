@@ -32,6 +32,7 @@
 # - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
 #   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
+#   per_rank_balanced: the mixes again in jax_cpgrad.balanced_document_order's order (--balanced-order);
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -124,9 +125,10 @@ for s in "${stages[@]}"; do
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
-    per_rank | per_rank_mixes)  # a rank's work with masks on our kernels, against its share
+    per_rank | per_rank_mixes | per_rank_balanced)  # a rank's work with masks, against its share
       masks=("--window 512" "--window 4096" "--documents 4096")
-      [ "$s" = per_rank_mixes ] && masks=("--documents short" "--documents long" "--documents mixed")
+      [ "$s" != per_rank ] && masks=("--documents short" "--documents long" "--documents mixed")
+      [ "$s" = per_rank_balanced ] && masks=("${masks[@]/%/ --balanced-order}")
       for mask in "${masks[@]}"; do
         name=per_rank_$(echo "$mask" | tr -d ' -')
         # shellcheck disable=SC2086  # $mask is two words
@@ -141,7 +143,7 @@ for s in "${stages[@]}"; do
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, per_rank_mixes, cp_step_window)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, per_rank_mixes, per_rank_balanced, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

@@ -92,6 +92,23 @@ def test_a_mix_of_documents_counts_as_its_dense_mask(mix):
         bench.main(["--documents", "medium", "--seq", "512"])
 
 
+def test_balanced_order_reorders_whole_documents_and_evens_the_shares():
+    """--balanced-order: the same documents, each contiguous, in balanced_document_order's order
+    for N; the shares follow the reordered ids, and the short mix's busiest rank gets less."""
+    seq, n = 16 * 1024, 4
+    drawn = np.asarray(bench.document_ids(seq, "short"))[0]
+    ids = np.asarray(bench.document_ids(seq, "short", balanced_for=n))[0]
+    runs = lambda x: sorted(np.diff(np.flatnonzero(np.r_[True, x[1:] != x[:-1], True])))
+    assert runs(ids) == runs(drawn) and not (ids == drawn).all()
+    assert len(np.unique(ids)) == len(runs(ids))  # no document split in two
+    p = np.arange(seq)
+    starts = np.maximum.accumulate(np.where(np.r_[True, ids[1:] != ids[:-1]], p, 0))
+    np.testing.assert_array_equal(bench.visible_per_query(seq, None, "short", balanced_for=n), p - starts + 1)
+    natural = bench.visible_share(seq, n, None, "short")
+    balanced = bench.visible_share(seq, n, None, "short", balanced=True)
+    assert abs(balanced.sum() - 1) < 1e-12 and balanced.max() < natural.max()
+
+
 @pytest.mark.parametrize("window, documents", MASKS)
 def test_visible_share_is_the_dense_count_of_each_ranks_queries(window, documents):
     seq = 64
@@ -152,19 +169,22 @@ def test_the_ranks_calls_see_what_its_share_counts(window, documents):
     assert wrong or documents >= seq, "copies of the rank's own ids planned the same work: the check is blind"
 
 
-def test_cpu_smoke_run_against_the_layer_at_one_rank(tmp_path):
+@pytest.mark.parametrize("balanced", [False, True], ids=["drawn", "balanced_order"])
+def test_cpu_smoke_run_against_the_layer_at_one_rank(tmp_path, balanced):
     js = tmp_path / "a.json"
     args = ["--seq", "512", "--kv-heads", "2", "--heads", "4", "--head-dim", "16", "--n", "1", "2", "4"]
     timing = ["--min-chunk", "32", "--rounds", "1", "--reading-s", "0", "--warm-s", "0"]
     masks = ["--window", "40", "--documents", "96", "--ideal", "layer", "--rank-implementation", "xla"]
+    masks += ["--balanced-order"] if balanced else []
     out = run_python(["benchmarks/attention.py", *args, *timing, *masks, "--json", str(js)])
     assert "t_rank / (t_ideal x share)" in out and "(to share " in out
     data = json.loads(js.read_text())
     assert data["meta"]["ideal"] == "layer" and data["meta"]["rank_implementation"] == "xla"
+    assert data["meta"]["balanced_order"] is balanced
     rows = {r["n"]: r for r in data["rows"]}
     assert sorted(rows) == [1, 2, 4]
     for n, row in rows.items():
-        shares = bench.visible_share(512, n, 40, 96)
+        shares = bench.visible_share(512, n, 40, 96, balanced=balanced)
         assert sorted(row["share_by_rank"]) == sorted(row["t_rank_by_rank_ms"])
         by_rank = {}
         for r, t in row["t_rank_by_rank_ms"].items():
