@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -140,6 +141,7 @@ def documents_arg(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"a positive length or one of short, long, mixed; got {text!r}")
 
 
+@functools.cache  # the balanced order is a search: once per (S, documents, N) for programs and shares
 def document_ids(seq: int, documents: int | str | None, balanced_for: int | None = None):
     """int32 [1, seq] segment ids: documents of ``documents`` tokens, or of a mix's lengths
     (drawn with seed 0); None: no documents. ``balanced_for``: R, the documents in

@@ -187,13 +187,8 @@ class RankPlan:
             return Calls(local, ())
         moved = self._moved_positions(c, rank)
         if moved is not None:
-            window = self.halo_window(c)
-            edges = edge_rows(c, *window) if window is not None else ((0, 2 * c),)
-            if edges == ((0, 2 * c),):
-                return Calls(local, (self._moved_call(runs, q_pos, own_runs, *moved),))
-            at = lambda x: _take_segments(x, edges, axis=-1)
-            call = self._moved_call(runs, at(q_pos), None if own_runs is None else at(own_runs), *moved)
-            return Calls(local, (dataclasses.replace(call, rows="edges", edges=edges),))
+            k_pos, valid = moved
+            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid, self._edges(c)),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
@@ -207,18 +202,29 @@ class RankPlan:
         lay = self.chunk_layout(c)
         return None if lay is None else window_chunks.rank_positions(lay, rank)
 
-    def _moved_call(self, runs, q_pos, own_runs, k_pos, valid) -> Call:
-        """The remote call against the rows a window's transfer brought (the halo's, or the
-        chunks'), at positions ``k_pos`` (increasing): runs those of the sequence at them
-        (clipped: the padding rows take the first or the last run, which keeps the runs
-        non-decreasing), padding (not ``valid``) columns emptied."""
+    def _edges(self, c: int) -> tuple[tuple[int, int], ...]:
+        """The query rows a halo call takes (``edge_rows``); () for all of them (no halo, or a
+        chunk's two edges meet)."""
+        window = self.halo_window(c)
+        edges = () if window is None else edge_rows(c, *window)
+        return () if edges == ((0, 2 * c),) else edges
+
+    def _moved_call(self, runs, q_pos, own_runs, k_pos, valid, edges=()) -> Call:
+        """The remote call of the query rows ``edges`` (() for all) against the rows a window's
+        transfer brought (the halo's, or the chunks'), at positions ``k_pos`` (increasing): runs
+        those of the sequence at them (clipped: the padding rows take the first or the last run,
+        which keeps the runs non-decreasing), padding (not ``valid``) columns emptied."""
+        if edges:
+            q_pos = _take_segments(q_pos, edges, axis=-1)
+            own_runs = None if own_runs is None else _take_segments(own_runs, edges, axis=-1)
         if runs is None:
             k_runs = None
         else:
             k_runs = jnp.take(runs, jnp.clip(k_pos, 0, runs.shape[1] - 1), axis=1)
         vis = visibility(self.mask, q_pos, k_pos, own_runs, k_runs)
         unseen = jnp.where(valid, vis.col_hi, vis.col_lo)
-        return Call("all", "moved", vis=dataclasses.replace(vis, col_hi=unseen))
+        vis = dataclasses.replace(vis, col_hi=unseen)
+        return Call("edges" if edges else "all", "moved", vis=vis, edges=edges)
 
     def _own_positions(self, c: int, rank):
         """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
@@ -240,18 +246,14 @@ class RankPlan:
         """The call's query rows of ``x [B, 2c, ...]`` (queries, outputs, their cotangents)."""
         if call.rows == "fold":
             return fold(x)
-        if call.rows == "edges":
-            return _take_segments(x, call.edges, axis=1)
-        return _far(x) if call.rows == "far" else x
+        return _far(x) if call.rows == "far" else RankPlan.at_edges(call, x)
 
     @staticmethod
     def take_lse(call: Call, lse):
         """The call's rows of a log-sum-exp ``[B, N, 2c]``."""
         if call.rows == "fold":
             return fold_lse(lse)
-        if call.rows == "edges":
-            return _take_segments(lse, call.edges, axis=-1)
-        return _far(lse, -1) if call.rows == "far" else lse
+        return _far(lse, -1) if call.rows == "far" else RankPlan.at_edges(call, lse, axis=-1)
 
     @staticmethod
     def put_rows(call: Call, x, fill):
@@ -268,6 +270,12 @@ class RankPlan:
         if call.rows == "fold":
             return unfold_lse(lse)
         return _on_far_rows(lse, -jnp.inf, -1) if call.rows == "far" else lse
+
+    @staticmethod
+    def at_edges(call: Call, x, axis: int = 1):
+        """An ``edges`` call's rows of ``x [.., 2c, ..]``, joined; ``x`` itself for any other call
+        (whose results ``put_rows`` brings back over all 2c rows)."""
+        return _take_segments(x, call.edges, axis) if call.rows == "edges" else x
 
     @staticmethod
     def into_rows(call: Call, full, rows, axis: int = 1):

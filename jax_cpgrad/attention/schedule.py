@@ -197,9 +197,7 @@ def _merge_remote(plan, call: Call, local, parts):
     """The local part merged with the remote parts, which hold ``call``'s rows: all of them, or a
     window's edge rows (merged there and written into the local part's result; elsewhere the
     merge would give the local part's bits back)."""
-    if call.rows != "edges":
-        return merge(local, *parts)
-    out, lse = merge((plan.take_rows(call, local[0]), plan.take_lse(call, local[1])), *parts)
+    out, lse = merge((plan.at_edges(call, local[0]), plan.at_edges(call, local[1], axis=-1)), *parts)
     return plan.into_rows(call, local[0], out), plan.into_rows(call, local[1], lse, axis=-1)
 
 
@@ -260,11 +258,8 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
     add = lambda a, b, like: rounded(a.astype(F32) + b.astype(F32), like.dtype)
-    dq_r, call = _join(dqs, axis=2), calls.remote[0]
-    if call.rows == "edges":  # the remote dq holds a window's edge rows alone
-        dq = cfg.plan.into_rows(call, dq_l, add(dq_r, cfg.plan.take_rows(call, dq_l), q))
-    else:
-        dq = add(dq_r, dq_l, q)
+    call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
+    dq = plan.into_rows(call, dq_l, add(_join(dqs, axis=2), plan.at_edges(call, dq_l), q))
     return dq, add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
 
 
