@@ -39,6 +39,10 @@ std::string check_call(OpKind op, const WorkspaceState& ws, const Member& m,
     return who() + "the mesh axis has " + std::to_string(attrs.axis_size) +
            " devices but workspace '" + cfg.name + "' was created for " + std::to_string(cfg.n);
   }
+  if (attrs.reach < 0 || attrs.reach >= cfg.n) {
+    return who() + "reach must be 0 (every rank's data) or k in 1 .. R-1 (the ranks within k of " +
+           "this one; R = " + std::to_string(cfg.n) + "), got " + std::to_string(attrs.reach);
+  }
   const size_t count = args.size();
   if (count == 0 || count > static_cast<size_t>(kMaxTensors) || rets.size() != count) {
     return who() + "expected 1 to " + std::to_string(kMaxTensors) +
@@ -89,6 +93,7 @@ std::string check_call(OpKind op, const WorkspaceState& ws, const Member& m,
   plan->outer = g.outer;
   plan->run = g.run;
   plan->slot_bytes = cfg.slot_bytes;
+  plan->reach = attrs.reach;
   plan->test_finish_delay_ns = m.test_finish_delay_ns.load(std::memory_order_relaxed);
   if (plan->payload_bytes() > cfg.slot_bytes) {
     return who() + "this call needs " + std::to_string(plan->payload_bytes()) +

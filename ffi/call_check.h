@@ -16,6 +16,7 @@ struct CallAttrs {
   int64_t workspace_id;       // which Workspace
   int64_t axis_size;          // R, from the mesh: must equal the workspace's
   int64_t seq_axis_from_end;  // sequence axis counted from the back (vmap adds leading axes)
+  int64_t reach;              // 0: every rank's data moves; k > 0: only ranks within k (CallPlan)
 };
 
 // Fills `plan` (all but plan->set) and the buffer pointers; returns "" when the call is valid,
@@ -29,4 +30,5 @@ std::string check_call(OpKind op, const WorkspaceState& ws, const Member& m,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_cpgrad::CallAttrs,
                                       ::xla::ffi::StructMember<int64_t>("workspace_id"),
                                       ::xla::ffi::StructMember<int64_t>("axis_size"),
-                                      ::xla::ffi::StructMember<int64_t>("seq_axis_from_end"));
+                                      ::xla::ffi::StructMember<int64_t>("seq_axis_from_end"),
+                                      ::xla::ffi::StructMember<int64_t>("reach"));

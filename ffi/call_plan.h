@@ -27,6 +27,12 @@ struct CallPlan {
   int64_t run = 0;      // elements of one run
   int64_t set = 0;      // slot set of this call (epoch parity; the memop protocol's host sets it)
   int64_t slot_bytes = 0;  // stride between slots
+  // The ranks whose data this call moves (the call's `reach` attribute): 0, every rank; k > 0,
+  // only ranks self - k .. self + k (no wrap-around; 1 for a sliding window's halo). An
+  // all-gather writes zeros for the others' chunks and a grad_return leaves their contributions
+  // out of the sum. Every rank still publishes to and waits for every other, tile by tile, so
+  // the epochs and the reuse of slots are ordered exactly as with 0.
+  int64_t reach = 0;
   ElementType dtype = ElementType::kF32;
   // Test builds only (the race test's negative control): the owner waits this long before it
   // reads each tile (device protocol) or each call's slots (memop protocol). 0 otherwise.
@@ -36,6 +42,16 @@ struct CallPlan {
   CPG_HOST_DEVICE int64_t tensor_bytes() const { return outer * 2 * run_bytes(); }
   // What one writer sends one owner: every tensor's local share, one after another.
   CPG_HOST_DEVICE int64_t payload_bytes() const { return tensors * tensor_bytes(); }
+  // The ranks in reach are first_in_reach() .. last_in_reach(), this one included.
+  CPG_HOST_DEVICE int64_t first_in_reach() const {
+    return reach == 0 || self < reach ? 0 : self - reach;
+  }
+  CPG_HOST_DEVICE int64_t last_in_reach() const {
+    return reach == 0 || self + reach >= n ? n - 1 : self + reach;
+  }
+  CPG_HOST_DEVICE bool in_reach(int64_t rank) const {
+    return rank >= first_in_reach() && rank <= last_in_reach();
+  }
 };
 
 struct TensorPtrs {
@@ -54,6 +70,17 @@ struct PeerTable {
 // into one owner at a time (incast), and 4 H200s reached 145-162 GB/s instead of 228-279.
 CPG_HOST_DEVICE inline int64_t rotated_owner(int64_t self, int64_t n, int64_t p) {
   return (self + 1 + p) % n;
+}
+
+// The peers a writer sends data to (the memop protocol's scatters): every other rank in
+// rotated order, or (reach > 0) the others in reach, lowest first.
+CPG_HOST_DEVICE inline int64_t data_peer_count(const CallPlan& p) {
+  return p.last_in_reach() - p.first_in_reach();
+}
+CPG_HOST_DEVICE inline int64_t data_peer(const CallPlan& p, int64_t q) {
+  if (p.reach == 0) return rotated_owner(p.self, p.n, q);
+  const int64_t rank = p.first_in_reach() + q;
+  return rank < p.self ? rank : rank + 1;
 }
 
 }  // namespace jax_cpgrad

@@ -89,7 +89,8 @@ __device__ __forceinline__ int64_t finisher_index(const FusedCall& c) {
 
 // A pushing block's share of the call: items (tile t, peer p), tile-major, peers in rotated
 // order. Each item copies tile t of what this rank owes the owner through the row map
-// rows_for(owner, our slot on the owner) and then publishes the tile's flag there.
+// rows_for(owner, our slot on the owner), unless the owner is out of the call's reach, and then
+// publishes the tile's flag there (to every owner: the flags order the epochs and the slots).
 template <typename Word, typename RowsFor>
 __device__ void push_tiles(const FusedCall& c, uint32_t e, int64_t set, int64_t row_bytes,
                            RowsFor rows_for) {
@@ -99,8 +100,10 @@ __device__ void push_tiles(const FusedCall& c, uint32_t e, int64_t set, int64_t 
     const int64_t t = item / (p.n - 1);
     const int64_t owner = rotated_owner(p.self, p.n, item % (p.n - 1));
     char* slot = c.peers.slots[owner] + slot_offset(p.n, p.slot_bytes, set, p.self);
-    block_copy_range<Word, kCopyUnroll>(rows_for(owner, slot), row_bytes, t * c.shape.tile_bytes,
-                                        tile_end(c, t));
+    if (p.in_reach(owner)) {
+      block_copy_range<Word, kCopyUnroll>(rows_for(owner, slot), row_bytes, t * c.shape.tile_bytes,
+                                          tile_end(c, t));
+    }
     block_publish(flags_of(c.peers.header[owner]) + t * p.n + p.self, e);
   }
 }
@@ -136,7 +139,11 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
           const Contributions<Word> in{
               reinterpret_cast<const Word*>(c.t.in[k] +
                                             (bo * 2 * p.n + chunk_of(p.self, h, p.n)) * rb + a),
-              slot0 + row * rb + a, p.slot_bytes, p.n, p.self};
+              slot0 + row * rb + a,
+              p.slot_bytes,
+              p.first_in_reach(),
+              p.last_in_reach() - p.first_in_reach() + 1,
+              p.self};
           Word* out = reinterpret_cast<Word*>(c.t.out[k] + (bo * 2 + h) * rb + a);
           const int64_t words = (b - a) / static_cast<int64_t>(sizeof(Word));
           for (int64_t base = threadIdx.x; base < words;
@@ -158,7 +165,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_grad_return(FusedCall c) 
 
 // ---------------------------------------------------------------------------------------------
 // all_gather: writer w sends every peer its whole local input (the tensors one after another);
-// the owner places each writer's tile, as soon as it has arrived, at chunks (w, 2R-1-w).
+// the owner places each writer's tile, as soon as it has arrived, at chunks (w, 2R-1-w), or
+// zeros there for a writer out of the call's reach (whose tile flag it still waits for).
 
 template <typename Word>
 __device__ void push_local_copies(const FusedCall& c, uint32_t e, int64_t set) {
@@ -182,9 +190,10 @@ __device__ void place_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t 
     if (w != p.self && !wait_for_tile(c, ctrl, e, t, w)) return;
     spin_for_ns(p.test_finish_delay_ns);
     const char* slot = c.peers.slots[p.self] + slot_offset(p.n, p.slot_bytes, set, w);
+    const bool zeros = !p.in_reach(w);
     const auto rows = [&](int64_t row, const char** src, char** dst) {
       const int64_t h = row % 2, b = (row / 2) % p.outer, k = row / (2 * p.outer);
-      *src = w == p.self ? c.t.in[k] + (b * 2 + h) * rb : slot + row * rb;
+      *src = zeros ? nullptr : w == p.self ? c.t.in[k] + (b * 2 + h) * rb : slot + row * rb;
       *dst = c.t.out[k] + (b * 2 * p.n + chunk_of(w, h, p.n)) * rb;
     };
     block_copy_range<Word, kCopyUnroll>(rows, rb, t * c.shape.tile_bytes, tile_end(c, t));

@@ -122,7 +122,9 @@ struct Receiver {
 
 // ---------------------------------------------------------------------------------------------
 // grad_return: unit u for owner o is chunk chunk_of(o, h) of our global input; the owner sums the
-// R writers' units in writer order, in float32, and rounds once.
+// R writers' units (those in the call's reach) in writer order, in float32, and rounds once.
+// LL units carry their epoch, so every writer sends every owner all of its units whatever the
+// reach: a small call's bytes do not matter, its order does.
 
 template <bool kAligned>
 __device__ void ll_push_owner_chunks(const FusedCall& c, uint32_t e, int64_t set) {
@@ -154,11 +156,12 @@ __device__ void ll_sum_units(const FusedCall& c, Receiver& rx) {
       } else if (!rx.receive(u, w, &data)) {
         return false;
       }
+      if (!p.in_reach(w)) continue;  // received all the same: the epoch's order
       const T* elems = reinterpret_cast<const T*>(&data);
 #pragma unroll
       for (int i = 0; i < kElems; ++i) {
         const float x = Convert<T>::load(elems[i]);
-        acc[i] = w == 0 ? x : acc[i] + x;
+        acc[i] = w == p.first_in_reach() ? x : acc[i] + x;
       }
     }
     uint2 result;
@@ -182,7 +185,7 @@ __global__ void __launch_bounds__(kFusedThreads) ll_grad_return(FusedCall c) {
 
 // ---------------------------------------------------------------------------------------------
 // all_gather: unit u is our local input, the same for every owner; the owner places writer w's
-// unit at chunk chunk_of(w, h) of its output.
+// unit at chunk chunk_of(w, h) of its output (zeros for a writer out of the call's reach).
 
 template <bool kAligned>
 __device__ void ll_push_local_copies(const FusedCall& c, uint32_t e, int64_t set) {
@@ -210,6 +213,7 @@ __device__ void ll_place_units(const FusedCall& c, Receiver& rx) {
       } else if (!rx.receive(u, w, &data)) {
         return false;
       }
+      if (!p.in_reach(w)) data = make_uint2(0, 0);  // received all the same: the epoch's order
       store_unit<kAligned>(c.t.out[at.k] + at.global_row0 + chunk_of(w, at.h, p.n) * rb, data);
     }
     return true;

@@ -29,7 +29,7 @@ __device__ __forceinline__ bool call_failed(const char* own_header) {
 // destination, and `checked_header()` the header whose state poisons the copy (none for
 // the scatters: they run before the wait, so nothing can have failed yet).
 
-struct OwnerChunksMap {  // grad_return scatter: rows = (R-1) peers x T x outer x 2 halves
+struct OwnerChunksMap {  // grad_return scatter: rows = data peers x T x outer x 2 halves
   CallPlan plan;
   TensorPtrs t;
   PeerTable peers;
@@ -38,7 +38,7 @@ struct OwnerChunksMap {  // grad_return scatter: rows = (R-1) peers x T x outer 
     const int64_t h = row % 2;
     const int64_t b = (row / 2) % plan.outer;
     const int64_t k = (row / (2 * plan.outer)) % plan.tensors;
-    const int64_t owner = rotated_owner(plan.self, plan.n, row / (2 * plan.outer * plan.tensors));
+    const int64_t owner = data_peer(plan, row / (2 * plan.outer * plan.tensors));
     const int64_t rb = plan.run_bytes();
     *src = t.in[k] + (b * 2 * plan.n + chunk_of(owner, h, plan.n)) * rb;
     *dst = peers.slots[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
@@ -46,21 +46,21 @@ struct OwnerChunksMap {  // grad_return scatter: rows = (R-1) peers x T x outer 
   }
 };
 
-struct LocalCopiesMap {  // all_gather scatter: rows = (R-1) peers x T, each a whole local tensor
+struct LocalCopiesMap {  // all_gather scatter: rows = data peers x T, each a whole local tensor
   CallPlan plan;
   TensorPtrs t;
   PeerTable peers;
   __device__ const char* checked_header() const { return nullptr; }
   __device__ void operator()(int64_t row, const char** src, char** dst) const {
     const int64_t k = row % plan.tensors;
-    const int64_t owner = rotated_owner(plan.self, plan.n, row / plan.tensors);
+    const int64_t owner = data_peer(plan, row / plan.tensors);
     *src = t.in[k];
     *dst = peers.slots[owner] + slot_offset(plan.n, plan.slot_bytes, plan.set, plan.self) +
            k * plan.tensor_bytes();
   }
 };
 
-struct GatherMap {  // all_gather finish: rows = T x outer x 2R global chunks
+struct GatherMap {  // all_gather finish: rows = T x outer x 2R global chunks (zeros out of reach)
   CallPlan plan;
   TensorPtrs t;
   const char* own_header;
@@ -73,9 +73,11 @@ struct GatherMap {  // all_gather finish: rows = T x outer x 2R global chunks
     const int64_t owner = owner_of(j, plan.n);
     const int64_t rb = plan.run_bytes();
     const int64_t local_row = (b * 2 + half_of(j, plan.n)) * rb;
-    *src = owner == plan.self ? t.in[k] + local_row
-                              : own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
-                                    k * plan.tensor_bytes() + local_row;
+    *src = !plan.in_reach(owner) ? nullptr
+           : owner == plan.self
+               ? t.in[k] + local_row
+               : own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, owner) +
+                     k * plan.tensor_bytes() + local_row;
     *dst = t.out[k] + row % (2 * plan.n * plan.outer) * rb;
   }
 };
@@ -114,14 +116,14 @@ __global__ void __launch_bounds__(kThreads) copy_rows(Map map, Tiling g) {
   for_each_tile<int64_t(kThreads) * kCopyUnroll>(g, [&](int64_t row, int64_t base) {
     const char* src_bytes;
     char* dst_bytes;
-    map(row, &src_bytes, &dst_bytes);
+    map(row, &src_bytes, &dst_bytes);  // a null source: a row of zeros
     const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
     Vec* dst = reinterpret_cast<Vec*>(dst_bytes);
     Vec v[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * kThreads;
-      if (i < g.units_per_row) v[u] = src[i];
+      if (i < g.units_per_row) v[u] = src == nullptr ? Vec{} : src[i];
     }
     const bool failed = call_failed(map.checked_header());
 #pragma unroll
@@ -181,8 +183,11 @@ __global__ void __launch_bounds__(kThreads)
     const Contributions<Word> in{
         reinterpret_cast<const Word*>(t.in[k] +
                                       (b * 2 * plan.n + chunk_of(plan.self, h, plan.n)) * rb),
-        own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb, plan.slot_bytes,
-        plan.n, plan.self};
+        own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb,
+        plan.slot_bytes,
+        plan.first_in_reach(),
+        plan.last_in_reach() - plan.first_in_reach() + 1,
+        plan.self};
     Word* out = reinterpret_cast<Word*>(t.out[k] + (b * 2 + h) * rb);
     const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;
     for (int64_t base = int64_t(blockIdx.x) * kThreads * kSumUnroll + threadIdx.x;
@@ -268,7 +273,7 @@ cudaError_t launch_scatter_owner_chunks(const CallPlan& plan, const void* const*
                                         const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
   OwnerChunksMap map{plan, tensor_ptrs(plan, global_inputs, nullptr, &ok16), peers};
-  const int64_t rows = (plan.n - 1) * plan.tensors * plan.outer * 2;
+  const int64_t rows = data_peer_count(plan) * plan.tensors * plan.outer * 2;
   return launch_copy(map, rows, plan.run_bytes(), ok16, stream);
 }
 
@@ -276,7 +281,7 @@ cudaError_t launch_scatter_local_copies(const CallPlan& plan, const void* const*
                                         const PeerTable& peers, cudaStream_t stream) {
   bool ok16 = plan.slot_bytes % 16 == 0;
   LocalCopiesMap map{plan, tensor_ptrs(plan, local_inputs, nullptr, &ok16), peers};
-  return launch_copy(map, (plan.n - 1) * plan.tensors, plan.tensor_bytes(), ok16, stream);
+  return launch_copy(map, data_peer_count(plan) * plan.tensors, plan.tensor_bytes(), ok16, stream);
 }
 
 cudaError_t launch_accumulate(const CallPlan& plan, const void* const* global_inputs,

@@ -44,6 +44,7 @@ def _ffi_call(
             workspace_id=np.int64(spec.id),
             axis_size=np.int64(num_ranks),
             seq_axis_from_end=np.int64(operands[0].ndim - seq_axis),
+            reach=np.int64(spec.reach),
         )
     )
 

@@ -20,7 +20,9 @@ class WorkspaceSpec:
     and num_ranks: the mesh axis and its size R; nbytes: the most bytes one call moves per device,
     in local shapes; protocol: "device" (one kernel per call, device-resident epochs, CUDA-graph
     capturable) or "memop" (stream memory operations; for ranks that share a GPU); overlap: every
-    call runs on the workspace's own stream, as a start/done pair (see Workspace)."""
+    call runs on the workspace's own stream, as a start/done pair (see Workspace); reach: the
+    ranks whose data a call moves, 0 for every rank, k > 0 for those within k of the caller alone
+    (a window's halo: 1; see :meth:`within`)."""
 
     id: int
     name: str
@@ -29,12 +31,24 @@ class WorkspaceSpec:
     nbytes: int
     protocol: str
     overlap: bool = False
+    reach: int = 0
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+        reach_ok = isinstance(self.reach, int) and not isinstance(self.reach, bool)
+        if not reach_ok or not 0 <= self.reach < max(self.num_ranks, 1):
+            raise ValueError(f"reach must be an int in [0, num_ranks), got {self.reach!r}")
+
+    def within(self, reach: int) -> WorkspaceSpec:
+        """This workspace, for calls that move only the data of ranks within ``reach`` of the
+        caller (r - reach .. r + reach, no wrap-around): an all-gather gives zeros for the other
+        ranks' chunks, a grad_return leaves their contributions out of its sum (they must be
+        zeros for it to equal the whole sum). Every rank still signals every other, so calls
+        with different reaches can follow one another on the workspace."""
+        return dataclasses.replace(self, reach=reach)
 
     def target(self, op: str) -> tuple[str, bool]:
         """(FFI target name, has_side_effect) of a whole ``op`` ("grad_return" or "all_gather")."""

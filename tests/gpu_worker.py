@@ -125,6 +125,49 @@ def correctness(mesh, n):
     )
 
 
+def _calls_in_turn(seq: int, specs):
+    """The per-rank body: a grad_return, then an all-gather, on each spec in turn (one program)."""
+
+    def body(*xs):
+        grads, locals_ = xs[: len(specs)], xs[len(specs) :]
+        back = [
+            cpg.grad_return(g, axis_name="cp", seq_axis=seq, workspace=w)
+            for g, w in zip(grads, specs, strict=True)
+        ]
+        gathered = [
+            cpg.all_gather(x, axis_name="cp", seq_axis=seq, workspace=w)
+            for x, w in zip(locals_, specs, strict=True)
+        ]
+        return (*back, *gathered)
+
+    return body
+
+
+def reach(mesh, n):
+    """Calls that move the neighbours' data alone (a reach of 1, the window's halo), between whole
+    calls on the same workspace, in one program: each bitwise against the oracle (zeros for the
+    chunks of ranks out of reach; sums over the writers within it)."""
+    failures = []
+    with workspace(mesh, 4 << 20, name="reach") as ws:
+        reaches = [1, 0, 1, 0]
+        specs = [ws.spec.within(r) for r in reaches]
+        for dtype in DTYPES:
+            for layout in ("BSHD", "odd", "tiles"):
+                shape, seq = LAYOUTS[layout](n)
+                local_shape = shape[:seq] + (shape[seq] // n,) + shape[seq + 1 :]
+                rng = np.random.default_rng(11)
+                grads = [random_array(rng, (n,) + shape, dtype) for _ in specs]
+                locals_ = [random_array(rng, (n,) + local_shape, dtype) for _ in specs]
+                got = spmd(mesh, _calls_in_turn(seq, specs))(*grads, *locals_)
+                for i, r in enumerate(reaches):
+                    tag = f"call {i} (reach {r}) {dtype}/{layout}"
+                    want = grad_return_oracle(list(grads[i]), n, seq, r)
+                    _equal_bits(got[i], want, f"grad_return {tag}", failures)
+                    want = [all_gather_oracle(list(locals_[i]), n, seq, r, rank) for rank in range(n)]
+                    _equal_bits(got[len(specs) + i], want, f"all_gather {tag}", failures)
+    return result({"bitwise_equal_to_oracle": not failures}, failures=failures[:20], protocol=ws.protocol)
+
+
 def _integer_data(n, shape, seed):
     rng = np.random.default_rng(seed)
     return rng.integers(-64, 64, size=(n,) + shape).astype(np.float32)
@@ -958,6 +1001,7 @@ def overlap_unjoined(mesh, n):
 
 SCENARIOS = {
     "correctness": correctness,
+    "reach": reach,
     "overlap": overlap,
     "overlap_unjoined": overlap_unjoined,
     "race": race,

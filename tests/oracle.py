@@ -23,22 +23,33 @@ def owner_rows(x, owner: int, n: int, seq_axis: int):
     return np.concatenate([chunks[owner], chunks[2 * n - 1 - owner]], axis=seq_axis)
 
 
-def grad_return_oracle(per_writer, n: int, seq_axis: int):
-    """Owner o's result: sum over writers 0..n-1 of their chunks for o, float32, rounded once."""
+def in_reach(a: int, b: int, reach: int) -> bool:
+    """Ranks a and b within a call's reach of each other (``WorkspaceSpec.within``; 0: all)."""
+    return reach == 0 or abs(a - b) <= reach
+
+
+def grad_return_oracle(per_writer, n: int, seq_axis: int, reach: int = 0):
+    """Owner o's result: sum over writers 0..n-1 (those within ``reach`` of o) of their chunks
+    for o, float32, rounded once."""
     out = []
     for o in range(n):
         acc = None
         for w in range(n):
+            if not in_reach(w, o, reach):
+                continue
             part = owner_rows(per_writer[w], o, n, seq_axis).astype(np.float32)
             acc = part if acc is None else acc + part
         out.append(acc.astype(per_writer[0].dtype))
     return out
 
 
-def all_gather_oracle(per_rank_local, n: int, seq_axis: int):
-    """Natural-order global array from every rank's two local chunks."""
+def all_gather_oracle(per_rank_local, n: int, seq_axis: int, reach: int = 0, rank: int = 0):
+    """Natural-order global array from every rank's two local chunks (as ``rank`` gets it: zeros
+    for the chunks of ranks out of ``reach``)."""
     chunks = [None] * (2 * n)
     for r, local in enumerate(per_rank_local):
+        if not in_reach(r, rank, reach):
+            local = np.zeros_like(local)
         first, second = np.split(local, 2, axis=seq_axis)
         chunks[r], chunks[2 * n - 1 - r] = first, second
     return np.concatenate(chunks, axis=seq_axis)

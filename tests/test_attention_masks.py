@@ -17,6 +17,7 @@ import attention_check as ac
 import jax_cpgrad as cpg
 from jax_cpgrad.attention import emulation, halo, kernels, masks, plan
 from spmd import cp_mesh
+from workspace_stub import peer_calls_on_xla, workspace_spec
 
 F32_TOLERANCE = 2e-5
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -96,6 +97,18 @@ def test_halo_windows_match_unsharded_attention(ranks, causal, heads, window, do
 
 def test_halo_windows_with_the_head_groups_pipeline():
     _check(4, causal=False, heads="mha", window=(3, 5), documents="crossing", head_groups=2)
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,window,documents", [(4, True, 5, None), (8, False, (6, 7), "crossing")]
+)
+def test_halo_windows_on_the_peer_transport_need_only_the_neighbours(
+    monkeypatch, ranks, causal, window, documents
+):
+    """The peer transport's halo gathers with a reach of 1 (the others' rows zeros, emulated on
+    XLA's collectives): the layer still equals the dense reference, values and gradients."""
+    peer_calls_on_xla(monkeypatch)
+    _check(ranks, causal=causal, window=window, documents=documents, batch=2, workspace=workspace_spec(ranks))
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])

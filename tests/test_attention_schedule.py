@@ -121,12 +121,12 @@ def test_at_n1_the_layer_is_one_attention_call_and_no_transfer():
     assert "all_gather" not in text and "reduce_scatter" not in text
 
 
-def _masked_lowered_text(ws, remat: bool, ranks: int = 4, window=(20, 0), documents=True) -> str:
+def _masked_lowered_text(ws, remat: bool, ranks: int = 4, window=(20, 0), documents=True, causal=True) -> str:
     """The lowered text of the layer with documents (or not) and a window (XLA's masked
     kernels); chunks of 64 / (2 ranks) tokens."""
     layer = lambda q, k, v, ids: cpg.dot_product_attention(
         q, k, v, axis_name="cp", workspace=ws, segment_ids=ids if documents else None,
-        local_window_size=window,
+        local_window_size=window, is_causal=causal,
     )  # fmt: skip
     if remat:
         layer = jax.checkpoint(layer)
@@ -203,6 +203,28 @@ def test_the_halo_travels_beside_the_local_part(protocol, suffix, remat, documen
     assert re.search(r"custom_call @jax_cpgrad_all_gather\w*\(.*tensor<1x6x2x16xbf16>", text)
     moves = [line for line in text.splitlines() if "custom_call @jax_cpgrad_" in line]
     assert not any("1x64x2x16" in line for line in moves)  # never K/V of the whole sequence
+    # the halo moves to and from the neighbours alone; the ids (a document may span every rank)
+    # come from all
+    reaches = [re.search(r"reach = (\d+)", line).group(1) for line in moves if "_start" in line]
+    assert reaches == ["0"] * (len(ids) // 2) + ["1", "1"], reaches
+
+
+@pytest.mark.parametrize(
+    "window,causal,reach",
+    [((9, 0), True, 2), ((17, 0), True, 0), ((3, 9), False, 2)],
+    ids=["two_ranks", "all", "right_side"],
+)
+def test_a_wider_window_on_the_peer_transport_gathers_from_the_ranks_it_reaches(window, causal, reach):
+    """R = 4, c = 8: a side of 9 reaches two chunks, so the K/V gather and its return move the
+    data of the ranks within 2 alone; a side of 17 reaches three, every other rank (reach 0)."""
+    ws = workspace_spec(4, protocol="device", overlap=False)
+    text = _masked_lowered_text(ws, False, window=window, documents=False, causal=causal)
+    moves = [line for line in text.splitlines() if "custom_call @jax_cpgrad_" in line]
+    assert [re.search(r"@(jax_cpgrad_\w+)\(", line).group(1) for line in moves] == [
+        "jax_cpgrad_all_gather_device", "jax_cpgrad_grad_return_device",
+    ], moves  # fmt: skip
+    assert all("1x64x2x16" in line for line in moves)  # the whole K/V's shape, the far rows zeros
+    assert all(f"reach = {reach}" in line for line in moves), moves
 
 
 def test_the_halo_with_head_groups_pipelines_like_the_gather():

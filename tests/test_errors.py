@@ -146,6 +146,10 @@ def test_a_workspace_description_names_its_protocol():
         workspace_spec(protocol="nccl")
     with pytest.raises(ValueError, match="overlap must be True or False"):
         workspace_spec(overlap="no")
+    for reach in (-1, 2, True, 1.0):  # 2 ranks: 0 (all) or 1
+        with pytest.raises(ValueError, match=r"reach must be an int in \[0, num_ranks\)"):
+            workspace_spec(2).within(reach)
+    assert workspace_spec(2).within(1).reach == 1
 
 
 @pytest.mark.parametrize(

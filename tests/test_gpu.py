@@ -65,6 +65,16 @@ def test_peer_transport_multiprocess(gpu, n, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["device", "memop"])
+@pytest.mark.parametrize("n", [4, 8])
+def test_calls_with_a_reach_move_the_neighbours_data_alone(gpu, n, protocol):
+    """Calls with a reach of 1 (the window's halo) between whole calls on one workspace, in one
+    program: the all-gathers' chunks of ranks out of reach are zeros, the grad_returns sum the
+    writers within it; every result bitwise against the oracle, all dtypes, three layouts."""
+    _need_own_gpus(n, protocol)
+    assert_all_ok(_run(n, ["reach"], protocol=protocol), ["reach"])
+
+
+@pytest.mark.parametrize("protocol", ["device", "memop"])
 def test_race_test_fails_without_the_write_after_read_protection(gpu, protocol):
     """With a slow owner (rank 0 waits before reading) every call stays right; with the
     protection also removed (test builds' hooks) calls go wrong: the negative control, so the

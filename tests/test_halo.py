@@ -256,7 +256,8 @@ def test_the_peer_path_lowers_to_our_all_gather_and_its_grad_return(protocol, ov
     text = _lowered_text(_grad_of_halo(ws, overlapped=overlap), 4, ("cuda",))
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     for target in targets:
-        assert sum(target in c for c in calls) == 1, (target, calls)
+        (call,) = [c for c in calls if target in c]
+        assert "reach = 1" in call, call  # the neighbours' rows alone move, both ways
     if overlap:
         assert sum("@jax_cpgrad_done(" in c for c in calls) == 2
     assert not XLA_COLLECTIVES.search(text)
@@ -314,12 +315,16 @@ def test_transfer_bytes():
     row = 1 * 8 * 128 * 2
     xla = H.halo_transfer_nbytes(1, 1 << 20, 8, 8, 128, 2, 4096, 0, "xla")
     peer = H.halo_transfer_nbytes(1, 1 << 20, 8, 8, 128, 2, 4096, 0, "peer")
-    assert xla.halo == 2 * 2 * 4096 * row and peer.halo == 7 * xla.halo
+    # the peer path sends both neighbours all four edge pieces (each needs two): 2x, whatever R
+    assert xla.halo == 2 * 2 * 4096 * row and peer.halo == 2 * xla.halo
+    two = H.halo_transfer_nbytes(1, 1 << 20, 2, 8, 128, 2, 4096, 0, "peer")
+    assert two.halo == 2 * 2 * 4096 * row  # R = 2: one neighbour
     assert xla.all_gather == peer.all_gather == 7 * 2 * (1 << 17) * row
     assert H.halo_transfer_nbytes(1, 64, 1, 1, 1, 2, 3, 3, "peer").halo == 0
-    # tail and head overlap (left + right > c = 8): the peer path gathers the whole chunks
+    # tail and head overlap (left + right > c = 8): the peer path sends the whole chunks, to the
+    # two neighbours of the three other ranks
     wide = H.halo_transfer_nbytes(1, 64, 4, 1, 1, 2, 7, 7, "peer")
-    assert wide.halo == wide.all_gather == 3 * 2 * 16 * 2
+    assert wide.halo == 2 * 2 * 16 * 2 and wide.all_gather == 3 * 2 * 16 * 2
     with pytest.raises(ValueError, match="left must be"):
         H.halo_transfer_nbytes(1, 64, 4, 1, 1, 2, 8, 0, "xla")
     with pytest.raises(ValueError, match="transport"):

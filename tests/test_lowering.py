@@ -38,7 +38,7 @@ def test_grad_return_lowers_to_one_custom_call_with_its_attributes(protocol, tar
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and target in calls[0]
     assert ("has_side_effect = true" in calls[0]) == side_effect
-    for attr in ("axis_size = 4", "seq_axis_from_end = 2", "workspace_id = 7"):
+    for attr in ("axis_size = 4", "seq_axis_from_end = 2", "workspace_id = 7", "reach = 0"):
         assert attr in text, attr
     assert not XLA_COLLECTIVES.search(text)
 

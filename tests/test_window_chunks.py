@@ -1,18 +1,22 @@
 """A wide window's chunks moved alone on the XLA transport (jax_cpgrad.attention.window_chunks), on
 2, 4 and 8 CPU devices: which chunks each rank gets, their rows and positions against the
 natural-order array, the return bitwise against a numpy float32 sum, and what the layer lowers to
-(whole chunks by collective-permute, no all-gather of K/V)."""
+(whole chunks by collective-permute, no all-gather of K/V). On the peer transport such a window
+gathers from the ranks it reaches alone (emulated on the CPU)."""
 
+import functools
 import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cpgrad.attention import window_chunks as W
+from jax_cpgrad.attention import plan, window_chunks as W
+from jax_cpgrad.attention.masks import normalize_window as normalize
 from spmd import cp_mesh, spmd
-from test_attention_masks import CHUNK as LAYER_CHUNK, _lowered_without_ids
+from test_attention_masks import CHUNK as LAYER_CHUNK, _check, _lowered_without_ids
 from test_halo import B, C, D, K, _natural, _stacked
+from workspace_stub import peer_calls_on_xla, workspace_spec
 
 # (left, right) in effect, chunks of C = 4: a chunk, more than one, two-sided, right only
 WINDOWS = [(4, 0), (9, 0), (5, 6), (0, 4), (3, 8)]
@@ -132,3 +136,26 @@ def test_a_window_of_a_chunk_moves_a_quarter_of_the_gather_at_r8():
     lay = W.layout(8, C, C, 0)
     assert lay.real_slots() == 2
     assert W.transfer_nbytes(lay, 10) == 2 * C * 10
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,window",
+    [(4, True, 9), (8, True, 17), (8, False, (3, 9)), (8, True, 2 * LAYER_CHUNK)],
+    ids=str,
+)
+def test_the_peer_gather_of_a_wider_window_needs_only_the_ranks_it_reaches(
+    monkeypatch, ranks, causal, window
+):
+    """On the peer transport a wide window gathers K/V from the ranks within its reach alone
+    (ceil(side / c)), the others' rows zeros: the layer still equals the dense reference, values
+    and gradients (the peer calls emulated on XLA's with the kernels' reach). The control: one
+    rank less of reach than the plan's gives wrong results."""
+    peer_calls_on_xla(monkeypatch)
+    ws = workspace_spec(ranks)
+    check = functools.partial(_check, ranks, causal=causal, window=window, workspace=ws)
+    check()
+    reach = plan.RankPlan.window_reach
+    assert reach(plan.RankPlan(ranks, causal, window=normalize(window)), LAYER_CHUNK) > 1
+    monkeypatch.setattr(plan.RankPlan, "window_reach", lambda self, c: reach(self, c) - 1)
+    with pytest.raises(AssertionError):
+        check()

@@ -20,7 +20,8 @@ __device__ __forceinline__ void for_each_row_segment(int64_t row_bytes, int64_t 
 }
 
 // Copies bytes [begin, end) of the row stream, in units of `Unit` (every offset involved must be
-// a multiple of sizeof(Unit)), kUnroll units in flight per thread.
+// a multiple of sizeof(Unit)), kUnroll units in flight per thread. A row whose source the map
+// gives as null is filled with zeros.
 template <typename Unit, int kUnroll, typename RowMap>
 __device__ __forceinline__ void block_copy_range(const RowMap& map, int64_t row_bytes,
                                                  int64_t begin, int64_t end) {
@@ -28,7 +29,7 @@ __device__ __forceinline__ void block_copy_range(const RowMap& map, int64_t row_
     const char* src_row;
     char* dst_row;
     map(row, &src_row, &dst_row);
-    const Unit* src = reinterpret_cast<const Unit*>(src_row + a);
+    const Unit* src = src_row == nullptr ? nullptr : reinterpret_cast<const Unit*>(src_row + a);
     Unit* dst = reinterpret_cast<Unit*>(dst_row + a);
     const int64_t units = (b - a) / static_cast<int64_t>(sizeof(Unit));
     for (int64_t base = threadIdx.x; base < units; base += int64_t(blockDim.x) * kUnroll) {
@@ -36,7 +37,8 @@ __device__ __forceinline__ void block_copy_range(const RowMap& map, int64_t row_
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * int64_t(blockDim.x);
-        if (i < units) v[u] = __ldcg(src + i);  // L2 only: a peer may have written it
+        if (i >= units) continue;
+        v[u] = src == nullptr ? Unit{} : __ldcg(src + i);  // L2 only: a peer may have written it
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

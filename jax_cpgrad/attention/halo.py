@@ -44,17 +44,16 @@ layer's backward: the halo's dK/dV return beside the local backward), the same c
 - XLA collectives (no workspace): two ``jax.lax.ppermute`` per array, one to each neighbour,
   moving only the halo rows: rank s sends ``[tail of its first chunk | head of its second]`` to
   s+1 and ``[head of its first chunk | tail of its second]`` to s-1, ``left + right`` rows each.
-- Peer transport (a workspace): there is no neighbour-only peer op yet, so every rank's edge
-  rows (``[tail | head]`` of each of its chunks, ``2 * (left + right)`` rows; its whole two
-  chunks when ``left + right >= c``, where tail and head overlap) go through
-  :func:`jax_cpgrad.all_gather`, and each rank takes the rows it needs. Its VJP is
-  :func:`jax_cpgrad.grad_return` (float32 sums in rank order, deterministic, CUDA-graph safe, a
-  dead peer named after the timeout). It moves (R-1)x the bytes of the XLA path
-  (:func:`halo_transfer_nbytes`), still far less than the all-gather of all K/V while the
-  window is small against c; it never needs more workspace than the layer's
-  ``attention_workspace_nbytes``. **Next step:** a true neighbour exchange on the peer transport
-  (a new FFI op pushing the halo rows to the two neighbours only), which needs a GPU to write
-  and test.
+- Peer transport (a workspace): each rank's edge rows (``[tail | head]`` of each of its chunks,
+  ``2 * (left + right)`` rows; its whole two chunks when ``left + right >= c``, where tail and
+  head overlap) go to its two neighbours alone, through :func:`jax_cpgrad.all_gather` with a
+  reach of 1 (``WorkspaceSpec.within``: the other ranks' chunks of the result are zeros, and no
+  byte moves to or from them, though every rank still signals every other), and each rank takes
+  the rows it needs. Its VJP is :func:`jax_cpgrad.grad_return` with the same reach (float32 sums
+  in rank order over the neighbours, deterministic, CUDA-graph safe, a dead peer named after
+  the timeout). Both neighbours get all four pieces where each needs two, so it moves 2x the
+  bytes of the XLA path whatever R (:func:`halo_transfer_nbytes`); it never needs more
+  workspace than the layer's ``attention_workspace_nbytes``.
 
 **Gradients.** The VJP sends each halo row's cotangent back to its owner in the arrays' dtype
 (a halo row's cotangent already is in that dtype, so a float32 move would carry the same values
@@ -311,7 +310,8 @@ def _prepare(xs, axis_name, left, right, workspace, op: str) -> _Call:
         raise ValueError(f"{_NAME}: the global sequence ({2 * n * c} rows) must be shorter than {_MAX_SEQ}")
     left, right = check_window(left, right, c)
     spec = api.spec_of(workspace, op)
-    if spec is not None:
+    if spec is not None and n > 1:
+        spec = spec.within(1)  # the neighbours' rows alone move
         rows = 2 * gathered_rows_per_chunk(c, left, right)
         needed = len(arrays) * first.shape[0] * rows * int(np.prod(first.shape[2:])) * first.dtype.itemsize
         if needed > spec.nbytes:
@@ -445,10 +445,10 @@ def halo_exchange(xs, *, axis_name: str, left: int, right: int, workspace=None) 
     VJP returns each halo row's cotangent to its owner, which adds it into its rows in float32.
 
     ``workspace``: None for XLA collectives (``ppermute`` of the halo rows only), or a
-    ``Workspace`` (peer transport: an :func:`jax_cpgrad.all_gather` of every rank's
-    ``2 * min(left + right, c)`` edge rows, (R-1)x the ideal bytes, until a neighbour-only peer
-    op exists). Raises ValueError for bad windows, shapes, dtypes, an unbound axis, or a workspace
-    that is closed, of another axis, or too small.
+    ``Workspace`` (peer transport: an :func:`jax_cpgrad.all_gather` of each rank's
+    ``2 * min(left + right, c)`` edge rows to its two neighbours alone, 2x the ideal bytes).
+    Raises ValueError for bad windows, shapes, dtypes, an unbound axis, or a workspace that is
+    closed, of another axis, or too small.
     """
     call = _prepare(xs, axis_name, left, right, workspace, "halo_exchange")
     halo, _ = _run(call, axis_name, lambda: None, ())
@@ -532,9 +532,9 @@ def halo_transfer_nbytes(
 ) -> HaloBytes:
     """Bytes per rank per direction of the halo exchange of K and V, and of the all-gather it
     replaces (:class:`HaloBytes`). ``transport``: ``"xla"`` (ppermute to the two neighbours:
-    ``2 x B x 2(left + right) x K x H x itemsize``) or ``"peer"`` (the all-gather of every rank's
-    edge rows to the R-1 others: ``(R-1) x 2 x B x 2 min(left + right, c) x K x H x itemsize``,
-    (R-1)x the XLA figure while ``left + right <= c``)."""
+    ``2 x B x 2(left + right) x K x H x itemsize``) or ``"peer"`` (the rank's edge rows to each
+    of its neighbours, two but for R = 2: ``min(R-1, 2) x 2 x B x 2 min(left + right, c) x K x H x
+    itemsize``, 2x the XLA figure while ``left + right <= c``)."""
     sizes = dict(batch=batch, seq=seq, num_ranks=num_ranks, kv_heads=kv_heads, head_dim=head_dim)
     for name, value in {**sizes, "itemsize": itemsize}.items():
         if not _is_int(value) or value < 1:
@@ -550,6 +550,6 @@ def halo_transfer_nbytes(
         halo = 0
     elif transport == "xla":
         halo = 2 * halo_length(left, right) * row  # K and V, left + right rows to each neighbour
-    else:  # K and V, the rank's gathered rows to each of the R-1 others
-        halo = (r - 1) * 2 * 2 * gathered_rows_per_chunk(seq // (2 * r), left, right) * row
+    else:  # K and V, the rank's gathered rows to each neighbour
+        halo = min(r - 1, 2) * 2 * 2 * gathered_rows_per_chunk(seq // (2 * r), left, right) * row
     return HaloBytes(halo=halo, all_gather=(r - 1) * 2 * (seq // r) * row)

@@ -44,7 +44,9 @@ ids, ``masks.py``):
   alone: XLA's permutes, ``moves_window_chunks``): all the rank's queries against the chunks
   the window reaches (``window_chunks.py``), the same way (positions from
   ``window_chunks.rank_positions``). Elsewhere (the peer transport, or a window that reaches
-  every chunk) wider windows keep the other ranks' chunks (the whole K/V gather).
+  every chunk) wider windows keep the other ranks' chunks (the K/V gather: on the peer transport
+  of the ranks within the window's reach alone, ``window_reach``, the others' rows zeros that no
+  query can see).
 
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
@@ -144,6 +146,18 @@ class RankPlan:
         if sides is None or not self.moves_window_chunks:
             return None
         return window_chunks.layout(self.num_ranks, chunk_len, *sides)
+
+    def window_reach(self, chunk_len: int) -> int:
+        """For a window that gathers K/V (a side of a chunk or more, no chunk layout): the ranks
+        whose K/V its queries can see are those within ``D = ceil(largest side / c)`` of the rank
+        (chunk j sees chunks j - D .. j + D, and the load-balanced layout puts their owners within
+        D ranks of j's), so the gather needs no other's rows. 0 (every rank) where D reaches them
+        all, or there is no window."""
+        sides = self._window_sides()
+        if sides is None:
+            return 0
+        reach = max(-(-side // chunk_len) for side in sides)
+        return reach if reach < self.num_ranks - 1 else 0
 
     def _window_sides(self) -> tuple[int, int] | None:
         """The window's sides in effect where it has a remote part, else None."""

@@ -144,7 +144,7 @@ def _gathered_ids(cfg: Config, words):
 def _transfers(cfg: Config, q):
     """(the K/V move, the dK/dV move back), each ``(xs, fn, *args) -> (moved, fn(*args))``: the
     halo's for a window within a chunk, the reached chunks' for a wider window where the
-    transfer moves them alone, else the whole gather and return."""
+    transfer moves them alone, else the gather and return (of the ranks a window reaches)."""
     c = q.shape[1] // 2
     window = cfg.plan.halo_window(c)
     t = cfg.transfer
@@ -154,8 +154,9 @@ def _transfers(cfg: Config, q):
             lambda xs, fn, *args: t.chunks(xs, lay, fn, *args),
             lambda grads, fn, *args: t.return_chunks(grads, lay, fn, *args),
         )
-    if window is None:
-        return t.gather, t.return_grads
+    if window is None:  # a wider window: the gather needs the ranks within its reach alone
+        near = t.near(cfg.plan.window_reach(c))
+        return near.gather, near.return_grads
     return (
         lambda xs, fn, *args: t.halo(xs, window, fn, *args),
         lambda grads, fn, *args: t.return_halo(grads, window, c, fn, *args),

@@ -3,6 +3,7 @@ while it is in flight.
 
 The protocol (:class:`Transfer`): ``gather(xs, fn, *args)`` returns ``(all_gather(xs),
 fn(*args))``; ``return_grads(grads, fn, *args)`` returns ``(grad_return(grads), fn(*args))``;
+``near(reach)`` is the transfer whose gather and return need only the ranks within ``reach``;
 ``gather_ids(words)`` gathers int32 words ``[B, T, W]`` (the segment ids) into natural order
 ``[B, S, W]``, exactly, outside any differentiation. For a window whose sides fit in a chunk the
 layer moves only the halo (``halo.py``): ``halo(xs, window, fn, *args)`` returns ``(the halo
@@ -43,6 +44,8 @@ class Transfer(Protocol):
 
     moves_window_chunks: bool
 
+    def near(self, reach: int) -> Transfer: ...
+
     def chunks(self, xs, layout, fn, *args): ...
 
     def return_chunks(self, grads, layout, fn, *args): ...
@@ -77,9 +80,17 @@ class OnMeshAxis:
 
     @property
     def moves_window_chunks(self) -> bool:
-        """A wide window's chunks travel alone on XLA's permutes; the peer transport has no
-        neighbour op yet, so it gathers all K/V for them."""
+        """A wide window's chunks travel alone on XLA's permutes; the peer transport gathers
+        them from the ranks within the window's reach (:meth:`near`)."""
         return self.spec is None
+
+    def near(self, reach: int) -> OnMeshAxis:
+        """This transport, its gather and return moving only the data of ranks within
+        ``reach`` of each rank (the others' rows arrive as zeros), 0 for every rank: the peer
+        transport's ``WorkspaceSpec.within``. XLA's collectives move everything."""
+        if self.spec is None or reach == 0:
+            return self
+        return dataclasses.replace(self, spec=self.spec.within(reach))
 
     def chunks(self, xs, layout, fn, *args):
         y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
