@@ -10,13 +10,15 @@ window (w, w) doubles the halo). Transports:
 
 - ``xla``: ``ppermute`` of the halo rows to the two neighbours: ``2 x 2w x K x H x 2`` bytes,
   whatever S and R;
-- ``peer``: the all-gather of every rank's edge rows (there is no neighbour-only peer op yet):
-  (R-1)x the XLA figure;
+- ``peer``: the rank's edge rows to its two neighbours alone (an all-gather with a reach of 1):
+  2x the XLA figure (each neighbour gets all four edge pieces, and needs two), whatever R;
 - ``all-gather``: what the layer does without a halo, ``(R-1)/R x 2 x S x K x H x 2``.
 
 Where the window is not shorter than the chunk S/(2R) there is no halo: the XLA transport moves
 the whole chunks the window reaches (``jax_cpgrad.attention.window_chunks``; the busiest rank's
-count), the peer transport gathers all K/V (``path`` says which).
+count), the peer transport gathers the K/V of the ranks within the window's reach,
+``ceil(w / c)`` each side (``RankPlan.window_reach``; the busiest rank's count; ``path`` says
+which).
 
 The figure this makes: **the bytes as a fraction of the all-gather's**, per window (512, 1k,
 4k), S (128k-1M) and R (2-16), for both transports. Prints the table and writes ``--json``
@@ -30,7 +32,7 @@ import json
 import os
 import sys
 
-from jax_cpgrad.attention import window_chunks
+from jax_cpgrad.attention import plan, window_chunks
 from jax_cpgrad.attention.halo import halo_transfer_nbytes
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "halo_bytes.json")
@@ -76,16 +78,25 @@ def table(windows, seqs, ranks):
     return rows
 
 
+def _peers_in_reach(w: int, r: int, chunk: int) -> int:
+    """The most other ranks any rank's peer gather takes K/V from for a causal window of w."""
+    reach = plan.RankPlan(r, True, window=(w, 0)).window_reach(chunk)
+    if reach == 0:
+        return r - 1
+    return max(min(rank + reach, r - 1) - max(rank - reach, 0) for rank in range(r))
+
+
 def _wider_than_a_chunk(w: int, s: int, r: int, chunk: int) -> dict:
     """The XLA transport's whole chunks (or the all-gather where they are all needed), the peer
-    transport's all-gather."""
+    transport's gather from the ranks within the window's reach."""
     row_nbytes = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * SHAPE["itemsize"]
     all_gather = (r - 1) * 2 * (s // r) * row_nbytes
     lay = window_chunks.layout(r, chunk, w, 0)
     xla = all_gather if lay is None else 2 * window_chunks.transfer_nbytes(lay, row_nbytes)  # K and V
+    peer = _peers_in_reach(w, r, chunk) * 2 * (s // r) * row_nbytes
     return dict(
-        fits=False, path="all-gather" if lay is None else "chunks", xla=xla, peer=all_gather,
-        all_gather=all_gather, xla_fraction=xla / all_gather, peer_fraction=1.0,
+        fits=False, path="all-gather" if lay is None else "chunks", xla=xla, peer=peer,
+        all_gather=all_gather, xla_fraction=xla / all_gather, peer_fraction=peer / all_gather,
     )  # fmt: skip
 
 
@@ -100,7 +111,7 @@ def print_table(rows, out=None):
     for row in rows:
         head = f"{tokens(row['window']):>6} {tokens(row['seq']):>5} {row['ranks']:>3} "
         head += f"{tokens(row['chunk']):>6}  "
-        note = "" if row["fits"] else f"  window >= chunk: xla {row['path']}, peer all-gather"
+        note = "" if row["fits"] else f"  window >= chunk: xla {row['path']}, peer the ranks in reach"
         print(
             head + f"{human(row['xla']):>10} {human(row['peer']):>10} {human(row['all_gather']):>10}  "
             f"{row['xla_fraction']:>8.2%} {row['peer_fraction']:>8.2%}{note}",

@@ -83,13 +83,14 @@ def test_halo_bytes_main_on_tiny_arguments(tmp_path, capsys):
     args = ["--windows", "512", "4K", "--seqs", "128K", "--ranks", "2", "16", "--json", str(out)]
     assert halo_bytes.main(args) == 0
     text = capsys.readouterr().out
-    assert "xla chunks, peer all-gather" in text  # 4k does not fit a 4k chunk (S = 128k, R = 16)
+    assert "xla chunks, peer the ranks in reach" in text  # 4k does not fit a 4k chunk (S = 128k, R = 16)
     rows = {(r["window"], r["ranks"]): r for r in json.loads(out.read_text())["rows"]}
     assert len(rows) == 4 and not rows[(4096, 16)]["fits"]
     wide = rows[(4096, 16)]  # two whole chunks (each chunk's left neighbour), K and V
     assert wide["path"] == "chunks" and wide["xla"] == 2 * 2 * 4096 * 8 * 128 * 2
-    assert wide["peer"] == wide["all_gather"]
+    # the peer gather: the whole local K/V of the two ranks within a reach of 1, of the 15 others
+    assert wide["peer"] == 2 * wide["all_gather"] // 15
     row = rows[(512, 16)]
     assert row["xla"] == 2 * 2 * 512 * 8 * 128 * 2  # K and V, 512 rows to each neighbour
-    assert row["peer"] == 15 * row["xla"]
+    assert row["peer"] == 2 * row["xla"]  # all four edge pieces to each of the two neighbours
     assert row["all_gather"] == 15 * 2 * (128 << 10) // 16 * 8 * 128 * 2
