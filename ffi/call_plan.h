@@ -49,6 +49,7 @@ struct CallPlan {
   CPG_HOST_DEVICE int64_t last_in_reach() const {
     return reach == 0 || self + reach >= n ? n - 1 : self + reach;
   }
+  CPG_HOST_DEVICE int64_t ranks_in_reach() const { return last_in_reach() - first_in_reach() + 1; }
   CPG_HOST_DEVICE bool in_reach(int64_t rank) const {
     return rank >= first_in_reach() && rank <= last_in_reach();
   }
@@ -74,9 +75,7 @@ CPG_HOST_DEVICE inline int64_t rotated_owner(int64_t self, int64_t n, int64_t p)
 
 // The peers a writer sends data to (the memop protocol's scatters): every other rank in
 // rotated order, or (reach > 0) the others in reach, lowest first.
-CPG_HOST_DEVICE inline int64_t data_peer_count(const CallPlan& p) {
-  return p.last_in_reach() - p.first_in_reach();
-}
+CPG_HOST_DEVICE inline int64_t data_peer_count(const CallPlan& p) { return p.ranks_in_reach() - 1; }
 CPG_HOST_DEVICE inline int64_t data_peer(const CallPlan& p, int64_t q) {
   if (p.reach == 0) return rotated_owner(p.self, p.n, q);
   const int64_t rank = p.first_in_reach() + q;

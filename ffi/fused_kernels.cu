@@ -142,7 +142,7 @@ __device__ void sum_arrived_tiles(const FusedCall& c, Control* ctrl, uint32_t e,
               slot0 + row * rb + a,
               p.slot_bytes,
               p.first_in_reach(),
-              p.last_in_reach() - p.first_in_reach() + 1,
+              p.ranks_in_reach(),
               p.self};
           Word* out = reinterpret_cast<Word*>(c.t.out[k] + (bo * 2 + h) * rb + a);
           const int64_t words = (b - a) / static_cast<int64_t>(sizeof(Word));

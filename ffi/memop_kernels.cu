@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
         own_slots + slot_offset(plan.n, plan.slot_bytes, plan.set, 0) + row * rb,
         plan.slot_bytes,
         plan.first_in_reach(),
-        plan.last_in_reach() - plan.first_in_reach() + 1,
+        plan.ranks_in_reach(),
         plan.self};
     Word* out = reinterpret_cast<Word*>(t.out[k] + (b * 2 + h) * rb);
     const int64_t stride = int64_t(gridDim.x) * kThreads * kSumUnroll;

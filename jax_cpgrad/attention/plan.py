@@ -156,7 +156,7 @@ class RankPlan:
         sides = self._window_sides()
         if sides is None:
             return 0
-        reach = max(-(-side // chunk_len) for side in sides)
+        reach = max(window_chunks.chunks_reached(side, chunk_len, self.num_ranks) for side in sides)
         return reach if reach < self.num_ranks - 1 else 0
 
     def _window_sides(self) -> tuple[int, int] | None:

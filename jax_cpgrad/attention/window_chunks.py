@@ -41,7 +41,7 @@ from .rounding import rounded
 I32 = jnp.int32
 
 
-def _reach(side: int, c: int, n: int) -> int:
+def chunks_reached(side: int, c: int, n: int) -> int:
     """How many chunks a side reaches: ceil(side / c), at most the 2n - 1 others."""
     return min(-(-side // c), 2 * n - 1)
 
@@ -93,7 +93,7 @@ def layout(num_ranks: int, chunk_len: int, left: int, right: int) -> Layout | No
     n, c = num_ranks, chunk_len
     if n == 1 or (left < c and right < c):
         return None
-    steps = [*range(-_reach(left, c, n), 0), *range(1, _reach(right, c, n) + 1)]
+    steps = [*range(-chunks_reached(left, c, n), 0), *range(1, chunks_reached(right, c, n) + 1)]
     offsets = tuple((a, o) for a in (0, 1) for o in steps)
     chunk = np.full((n, len(offsets)), -1, np.int64)
     for r in range(n):
