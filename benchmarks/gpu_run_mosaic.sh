@@ -23,8 +23,10 @@
 #   do not fit are listed in the JSON's "skipped").
 # - bench_det: bench with XLA_FLAGS=--xla_gpu_deterministic_ops=true (cuDNN's deterministic
 #   backward, the fair match for ours, which is deterministic always);
-# - layer_tests: tests/test_gpu_attention.py but its halo tests (the layer on the GPU: plain,
-#   documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
+# - layer_tests: tests/test_gpu_attention.py but its halo and cuDNN window tests (the layer on the
+#   GPU: plain, documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
+# - cudnn_window_tests: its cuDNN window tests (causal windows through cuDNN's plain calls, R = 1,
+#   2 and 4); needs the CUDA build;
 # - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s
 #   (268 s for both cases before the halo's call took the edge rows alone; since, the R = 2 case
 #   alone did not finish in 150 s, and it is not known whether it slowed): give it a whole command.
@@ -33,6 +35,8 @@
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
 #   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
 #   per_rank_balanced: the mixes again in jax_cpgrad.balanced_document_order's order (--balanced-order);
+#   per_rank_window_kernels: the window of 512 on cuDNN's plain calls, then on ours (one after the
+#   other in the same command; STAGE_ARGS "--seq 64k" for another length);
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -120,8 +124,12 @@ for s in "${stages[@]}"; do
       BENCH_ENV=XLA_FLAGS=--xla_gpu_deterministic_ops=true bench bench_det 100 --head-dim 128 --kv-heads 8 \
         $(args_of bench_det)
       ;;
-    layer_tests | halo_tests)  # about 400 s, and about 300 s
-      select=$([ "$s" = halo_tests ] && echo halo || echo "not halo")
+    layer_tests | halo_tests | cudnn_window_tests)  # about 400 s, about 300 s, about 200 s
+      case $s in
+        halo_tests) select=halo ;;
+        cudnn_window_tests) select=cudnn_windows ;;
+        *) select="not halo and not cudnn_windows" ;;
+      esac
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
@@ -137,13 +145,21 @@ for s in "${stages[@]}"; do
           $(args_of "$s")
       done
       ;;
+    per_rank_window_kernels)  # the window of 512 on cuDNN's plain calls and on ours
+      for impl in cudnn mosaic; do
+        name=per_rank_window512_$impl
+        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 --window 512 \
+          --rank-implementation "$impl" --ideal layer --json "$OUT/$name.json" --png "$OUT/$name.png" \
+          $(args_of "$s")
+      done
+      ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
       stage cp_step_window 400 python3 benchmarks/cp_step.py --layers 6 --seq 16k --hidden 4096 \
         --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport xla peer none \
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, per_rank, per_rank_mixes, per_rank_balanced, cp_step_window)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

@@ -298,6 +298,38 @@ def masks(mesh, n):
 
 
 HALO_WINDOWS = ((True, (CHUNK // 2, 0)), (False, (CHUNK // 4, CHUNK // 8)))  # (causal, (left, right))
+CUDNN_WINDOWS = (CHUNK // 2, CHUNK - 1)  # causal windows' left sides, shorter than a chunk
+
+
+def cudnn_windows(mesh, n):
+    """implementation='cudnn' with causal windows shorter than a chunk (the diagonal blocks with
+    cuDNN's sliding window, the halo's edge rows as reversed causal calls): output and q/k/v
+    gradients within 5e-2 of the float32 unsharded attention, on a plain and an overlapped
+    workspace, the same (bits, with cuDNN's deterministic backward) twice and on both; at R = 1
+    (one call with the window) also on XLA's collectives."""
+    checks, errors = {}, {}
+    for left in CUDNN_WINDOWS:
+        window = (left, 0)
+        inputs = _inputs(n, seed=80 + left)
+        ref = ac.reference(*inputs, local_window_size=window)
+        runs = {}
+        for overlap in (False, True):
+            with _workspace(mesh, overlap=overlap) as ws:
+                kw = dict(workspace=ws, local_window_size=window, implementation="cudnn")
+                first, second = (_cp_layer(mesh, inputs, **kw) for _ in range(2))
+            tag = f"left{left}_{'overlap' if overlap else 'plain'}"
+            errors[tag] = ac.relative_errors(first, ref)
+            checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
+            checks[f"{tag}_{SAME}_twice"] = _same_results(first, second)
+            runs[overlap] = first
+        checks[f"left{left}_overlap_{SAME}_as_plain"] = _same_results(runs[False], runs[True])
+        if jax.process_count() == 1:  # XLA's collectives refuse ranks that share a GPU
+            xla = _cp_layer(mesh, inputs, local_window_size=window, implementation="cudnn")
+            errors[f"left{left}_xla"] = ac.relative_errors(xla, ref)
+            checks[f"left{left}_xla_transport_within_tolerance"] = (
+                max(errors[f"left{left}_xla"].values()) <= BF16_TOLERANCE
+            )
+    return _result(checks, errors=errors)
 
 
 def _halo_oracle(k_nat: np.ndarray, ct_by_rank: dict, n: int, left: int, right: int):
@@ -457,6 +489,7 @@ SCENARIOS = {
     "head_groups": head_groups,
     "vmapped": vmapped,
     "masks": masks,
+    "cudnn_windows": cudnn_windows,
     "halo_rows": halo_rows,
     "halo_layer": halo_layer,
     "halo_unjoined": halo_unjoined,

@@ -14,7 +14,7 @@ import attention_check as ac
 import jax_cpgrad as cpg
 from jax_cpgrad.attention import kernels
 from spmd import cp_mesh
-from workspace_stub import workspace_spec
+from workspace_stub import peer_calls_on_xla, workspace_spec
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2, jnp.float16: 1e-2}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa_g3": (6, 2), "mqa": (4, 1)}  # gqa_g3: G != K
@@ -23,7 +23,9 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa_g3": (6, 2), "mqa": (4, 1)}  # gqa_g
 def _check(n, *, causal=True, heads="gqa", dtype=jnp.float32, chunk=8, batch=1, **kw):
     h, hk = HEADS[heads]
     inputs = ac.random_inputs(2 * n * chunk, batch=batch, heads=h, kv_heads=hk, dtype=dtype, seed=n)
-    ref = ac.reference(*inputs, causal=causal, scale=kw.get("scale"))
+    ref = ac.reference(
+        *inputs, causal=causal, scale=kw.get("scale"), local_window_size=kw.get("local_window_size")
+    )
     got = ac.cp_layer(cp_mesh(n), inputs, dtype=dtype, causal=causal, **kw)
     errs = ac.relative_errors(got, ref)
     assert max(errs.values()) <= TOLERANCE[dtype], errs
@@ -151,19 +153,22 @@ class _FakeCudnnPrimitives:
     def __init__(self):
         fake = self
         self.key_counts: list[np.ndarray] = []  # every kv_len cuDNN was given
+        self.windows: list[int | None] = []  # every sliding_window_length it was given
 
         class Fwd:
             @staticmethod
-            def bind(q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, *, mask_type, scale, **_):
-                out, lse = kernels.xla.forward(q, k, v, **fake._args(mask_type, scale, kv_len))
+            def bind(q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, *, mask_type, scale, **kw):
+                args = fake._args(mask_type, scale, kv_len, kw["sliding_window_length"])
+                out, lse = kernels.xla.forward(q, k, v, **args)
                 return fake._past_q_len(out, q_len, 1), fake._past_q_len(lse, q_len, 2)
 
         class Bwd:
             @staticmethod
             def bind(
-                q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, lse, o, do, *, mask_type, scale, **_
+                q, k, v, bias, q_len, kv_len, q_off, kv_off, pk, pv, lse, o, do, *, mask_type, scale, **kw
             ):
-                dq, dk, dv = kernels.xla.backward(q, k, v, o, lse, do, **fake._args(mask_type, scale, kv_len))
+                args = fake._args(mask_type, scale, kv_len, kw["sliding_window_length"])
+                dq, dk, dv = kernels.xla.backward(q, k, v, o, lse, do, **args)
                 if kv_len.size:  # unspecified rows, as cuDNN leaves them
                     pad = (jnp.arange(k.shape[1]) >= kv_len[:, None])[:, :, None, None]
                     dk, dv = (jnp.where(pad, jnp.nan, g) for g in (dk, dv))
@@ -182,12 +187,18 @@ class _FakeCudnnPrimitives:
         shape[axis] = x.shape[axis]
         return jnp.where(rows.reshape(shape), jnp.nan, x)
 
-    def _args(self, mask_type, scale, kv_len):
+    def _args(self, mask_type, scale, kv_len, sliding_window_length):
         causal = mask_type in (self.MaskType.CAUSAL, self.MaskType.PADDING_CAUSAL)
         assert (kv_len.size > 0) == (mask_type in (self.MaskType.PADDING, self.MaskType.PADDING_CAUSAL))
+        self.windows.append(sliding_window_length)
+        # jax passes a left window w as cuDNN's sliding window of w + 1, with the causal mask only
+        assert sliding_window_length is None or (
+            sliding_window_length >= 1 and mask_type == self.MaskType.CAUSAL
+        )
+        window = None if sliding_window_length is None else sliding_window_length - 1
         if kv_len.size:
             jax.debug.callback(lambda x: self.key_counts.append(np.asarray(x)), kv_len)
-        return dict(causal=causal, scale=scale, kv_len=kv_len if kv_len.size else None)
+        return dict(causal=causal, scale=scale, kv_len=kv_len if kv_len.size else None, window=window)
 
 
 @pytest.mark.parametrize(
@@ -210,6 +221,74 @@ def test_the_cudnn_code_path_with_stand_in_primitives(
     # padded entries: the causal remote part's paired call (rank 0's first chunk has no remote
     # key, rank N-1's second chunk none in the second half)
     assert bool(fake.key_counts) == (causal and n > 1)
+
+
+_WINDOWS_UNDER_A_CHUNK = [(n, left) for n in (1, 2, 4, 8) for left in (0, 1, 5, 7)] + [(1, 12)]
+
+
+@pytest.mark.parametrize("n,left", _WINDOWS_UNDER_A_CHUNK, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads,head_groups", [("gqa_g3", 1), ("mqa", 1), ("mha", 2)], ids=str)
+def test_the_cudnn_window_path_with_stand_in_primitives(monkeypatch, n, left, heads, head_groups):
+    """A causal window shorter than a chunk (8 tokens here; any at R = 1: 12 of 16) through
+    cuDNN's plain calls: the diagonal blocks with the sliding window, the halo's edge rows
+    reversed against the keys before each chunk (rank R-1's own), against
+    jax.nn.dot_product_attention with the window (its right side ignored, as with is_causal)."""
+    fake = _FakeCudnnPrimitives()
+    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
+    _check(
+        n, heads=heads, dtype=jnp.float16, chunk=8, batch=2, implementation="cudnn",
+        local_window_size=(left, 3), head_groups=head_groups,
+    )  # fmt: skip
+    jax.effects_barrier()
+    assert left in {w - 1 for w in fake.windows if w is not None}  # the diagonal blocks' window
+    assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
+    assert bool(fake.key_counts) == (n > 1 and left > 0)  # the halo call (rank 0's first: none)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_cudnn_window_path_on_the_peer_transports_halo(monkeypatch, n):
+    """The same with a workspace: the halo through the peer transport's gather with a reach of 1
+    (emulated on XLA's collectives, the rows out of reach zeros)."""
+    fake = _FakeCudnnPrimitives()
+    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
+    peer_calls_on_xla(monkeypatch)
+    _check(
+        n, heads="gqa", dtype=jnp.float16, chunk=8, batch=2, implementation="cudnn",
+        local_window_size=(6, 0), workspace=workspace_spec(n),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(local_window_size=8),  # a chunk: the halo would not be the keys before one chunk
+        dict(local_window_size=3, is_causal=False),
+        dict(local_window_size=(2, 0), segment_ids=np.zeros((1, 16), np.int32)),
+    ],
+    ids=["a_chunk", "two_sided", "documents"],
+)
+def test_cudnn_refuses_a_window_it_cannot_take(monkeypatch, kw):
+    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (_FakeCudnnPrimitives(), {}))
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
+    ids = kw.pop("segment_ids", None)
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def body(q, k, v, *ids):
+        return cpg.dot_product_attention(
+            q, k, v, axis_name="cp", implementation="cudnn", segment_ids=ids[0] if ids else None, **kw
+        )
+
+    x = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.bfloat16)
+    args = (x, x, x) + (() if ids is None else (jax.ShapeDtypeStruct((1, 32), jnp.int32),))
+    expected = (
+        "implementation='cudnn' takes no documents (segment_ids), and a local window only with "
+        "is_causal=True and a left side smaller than a chunk"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        mesh = cp_mesh(2)
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).trace(*args)
 
 
 def test_workspace_nbytes_helper():

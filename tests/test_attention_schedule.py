@@ -98,6 +98,30 @@ def test_head_groups_pipeline_each_transfer_beside_the_previous_groups_work(prot
     assert _lowered_targets(ws, remat, causal, head_groups=2) == forward + recomputed + backward
 
 
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+def test_a_causal_window_on_cudnn_runs_the_diagonal_blocks_beside_the_halo(protocol, suffix):
+    """implementation='cudnn' with a causal window shorter than a chunk (5 of 8 tokens): the
+    diagonal blocks with cuDNN's sliding window of 6 run between the halo's start and its done
+    (a gather with a reach of 1), the halo call (no window) after it; in the backward the halo
+    call's backward, the return's start, the diagonal blocks' backward, the done."""
+    ws = workspace_spec(4, protocol=protocol, overlap=True)
+    layer = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", workspace=ws, implementation="cudnn", local_window_size=(5, 0)
+    )
+    calls = []
+    for line in _lowered_grad(layer).splitlines():
+        target = re.search(r"custom_call @([\w$]+)\(", line)
+        if target:
+            window = re.search(r"sliding_window_length\\22: (\d+)", line)
+            reach = re.search(r"reach = (\d+)", line)
+            calls.append((target.group(1), (window or reach).group(1)))
+    gather, back, done = _transfer_targets(suffix)
+    assert calls == [
+        (gather, "1"), (FWD, "6"), (done, "1"), (FWD, "0"),
+        (BWD, "0"), (back, "1"), (BWD, "6"), (done, "1"),
+    ], calls  # fmt: skip
+
+
 def test_without_overlap_the_layer_makes_plain_calls():
     targets = _lowered_targets(workspace_spec(4, protocol="device"), remat=False)
     assert targets.count("jax_cpgrad_all_gather_device") == 1
@@ -126,7 +150,7 @@ def _masked_lowered_text(ws, remat: bool, ranks: int = 4, window=(20, 0), docume
     kernels); chunks of 64 / (2 ranks) tokens."""
     layer = lambda q, k, v, ids: cpg.dot_product_attention(
         q, k, v, axis_name="cp", workspace=ws, segment_ids=ids if documents else None,
-        local_window_size=window, is_causal=causal,
+        local_window_size=window, is_causal=causal, implementation="xla",
     )  # fmt: skip
     if remat:
         layer = jax.checkpoint(layer)

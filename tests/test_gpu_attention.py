@@ -88,6 +88,18 @@ def _launched(scenarios, n: int) -> None:
     assert_all_ok([r.output for r in sorted(results, key=lambda r: r.rank)], scenarios)
 
 
+def test_cudnn_windows_n1_device_protocol(gpu):
+    """A causal window through cuDNN's sliding window: one call at R = 1."""
+    _one_process(["cudnn_windows"], "device")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cudnn_windows_ranks_sharing_one_gpu(gpu, n):
+    """A causal window through cuDNN's plain calls with the halo on the peer transport (cuDNN's
+    dQ atomics: two runs compared within a tolerance, as test_layer_ranks_sharing_one_gpu)."""
+    _launched(["cudnn_windows"], n)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_halo_ranks_sharing_one_gpu(gpu, n):
     """The window's halo-only transfer on the peer transport (a window needs R >= 2 to move

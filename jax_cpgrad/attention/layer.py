@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import api
 from . import kernels, schedule
+from .kernels.contract import PLAIN_WINDOWS
 from .masks import normalize_window
 from .plan import RankPlan, id_words
 from .transfer import OnMeshAxis
@@ -101,37 +102,64 @@ def _check_segment_ids(segment_ids, query):
     return id_words(segment_ids)
 
 
-def _choose_implementation(implementation, dtype, head_dim: int, masked: bool) -> str:
-    """The kernel to run: ``implementation``, checked, or for None the first of kernels.KERNELS
-    that can run these inputs."""
+def _plain_window(window, is_causal: bool, documents: bool, local_len: int, num_ranks: int) -> bool:
+    """Whether the mask is a window that plain calls with a left window can run
+    (``contract.PLAIN_WINDOWS``): causal, no documents, its left side smaller than a chunk (half
+    the rank's ``local_len`` tokens) or any at R = 1."""
+    if window is None or not is_causal or documents:
+        return False
+    return num_ranks == 1 or window[0] < local_len // 2
+
+
+def _choose_implementation(
+    implementation, dtype, head_dim: int, masked: bool, plain_window: bool = False
+) -> str:
+    """The kernel to run: ``implementation``, checked, or for None the first kernel of
+    ``kernels.choice_order`` that can run these inputs (``plain_window``: see ``_plain_window``)."""
     if implementation is None:
-        for kernel in kernels.KERNELS:
-            if kernel.by_default and kernel.why_not(dtype, head_dim, masked) is None:
+        for kernel in kernels.choice_order(masked):
+            if kernel.by_default and kernel.why_not(dtype, head_dim, masked, plain_window) is None:
                 return kernel.name
         raise AssertionError("the XLA kernel runs everything")
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         names = " or ".join(repr(name) for name in IMPLEMENTATIONS)
         raise ValueError(f"{_NAME}: implementation must be None, {names}, got {implementation!r}")
     kernel = kernels.by_name(implementation)
-    if masked and not kernel.takes_masks:
+    if not kernel.takes(masked, plain_window):
         alternatives = " or ".join(
             f"{k.name!r}" + (f" ({k.where})" if k.where else "") for k in kernels.KERNELS if k.takes_masks
         )
+        if kernel.plain_windows:
+            takes = f"no documents (segment_ids), and a local window only {PLAIN_WINDOWS}"
+        else:
+            takes = "no documents and no local window (segment_ids, local_window_size)"
         raise ValueError(
-            f"{_NAME}: implementation={implementation!r} takes no documents and no local window "
-            f"(segment_ids, local_window_size); use implementation={alternatives} (or None)"
+            f"{_NAME}: implementation={implementation!r} takes {takes}; "
+            f"use implementation={alternatives} (or None)"
         )
-    why_not = kernel.why_not(dtype, head_dim, masked)
+    why_not = kernel.why_not(dtype, head_dim, masked, plain_window)
     if why_not is not None:
         raise ValueError(f"{_NAME}: implementation={implementation!r} needs {why_not}")
     return implementation
 
 
 def prepare(
-    query, key, value, *, scale, is_causal, segment_ids, local_window_size, implementation, head_groups
+    query,
+    key,
+    value,
+    *,
+    scale,
+    is_causal,
+    segment_ids,
+    local_window_size,
+    implementation,
+    head_groups,
+    num_ranks: int | None = None,
+    axis_name: str | None = None,
 ) -> tuple[Options, jax.Array | None]:
-    """Every check of the arrays and options: (the options, the segment ids as int32 words or
-    None)."""
+    """Every check of the arrays and options for a rank of ``num_ranks``, or of the mesh axis
+    ``axis_name`` (looked up once the arguments are checked: outside ``shard_map`` a bad argument
+    is named first): (the options, the segment ids as int32 words or None)."""
     _check_shapes(query, key, value)
     if not isinstance(is_causal, (bool, np.bool_)):
         shown = repr(is_causal) if isinstance(is_causal, (str, int, float)) else type(is_causal).__name__
@@ -150,8 +178,12 @@ def prepare(
         raise ValueError(
             f"{_NAME}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
         )
+    if num_ranks is None:
+        assert axis_name is not None, "prepare: pass num_ranks or axis_name"
+        num_ranks = api.axis_size(axis_name, "dot_product_attention")
     masked = words is not None or window is not None
-    impl = _choose_implementation(implementation, query.dtype, head_dim, masked)
+    plain_window = _plain_window(window, bool(is_causal), words is not None, query.shape[1], num_ranks)
+    impl = _choose_implementation(implementation, query.dtype, head_dim, masked, plain_window)
     options = Options(float(scale), impl, bool(is_causal), window, words is not None, int(head_groups))
     return options, words
 
@@ -167,6 +199,7 @@ def schedule_config(
         documents=options.documents,
         transfer_when_alone=transfer_when_alone,
         plain_as_masked=kernels.by_name(options.impl).plain_as_masked,
+        plain_windows=kernels.by_name(options.impl).plain_windows,
         moves_window_chunks=getattr(transfer, "moves_window_chunks", False),
     )
     return schedule.Config(
@@ -238,14 +271,17 @@ def dot_product_attention(
         a pair ``(left, right)``: query p sees keys k with ``p - left <= k <= p + right``;
         with ``is_causal`` the right side is 0 in effect. None: no window.
       implementation: None, ``"cudnn"``, ``"xla"`` or ``"mosaic"``. None is cuDNN flash attention
-        where it can run (bfloat16/float16 on an NVIDIA GPU of compute capability 8.0+, a head
-        dim it takes, no documents and no window) and XLA elsewhere; ``jax.nn.dot_product_attention``'s
-        None means XLA. With documents or a window the calls take a mask (``kernels/contract.py``),
-        which cuDNN's do not; XLA's masked calls visit only the tiles the mask needs once they are
-        large (``jax_cpgrad/attention/blockwise.py``). ``"mosaic"``: the project's own Pallas Mosaic GPU
-        kernels (bfloat16/float16, head dims 64 and 128, Hopper GPUs only), every mask in one
-        call per part; not yet measured on a GPU, so None does not choose it. The softmax and
-        the merge of the parts run in float32 in all.
+        for plain attention where it can run (bfloat16/float16 on an NVIDIA GPU of compute
+        capability 8.0+, a head dim it takes), ``"mosaic"`` for documents and windows where it
+        can run, cuDNN for a causal window it takes where ``"mosaic"`` cannot, and XLA elsewhere
+        (``jax.nn.dot_product_attention``'s None means XLA). ``"mosaic"``: the project's own
+        Pallas Mosaic GPU kernels (bfloat16/float16, head dims 64 and 128, Hopper GPUs only),
+        every mask in one call per part, deterministic. ``"cudnn"`` takes no documents, and a
+        window only with ``is_causal=True`` and a left side smaller than a chunk (any at R = 1):
+        the diagonal blocks with its sliding window, the halo's edge rows as causal calls on
+        reversed rows and keys. XLA's masked calls visit only the tiles the mask needs once they
+        are large (``jax_cpgrad/attention/blockwise.py``). The softmax and the merge of the parts
+        run in float32 in all.
       head_groups: pipeline the transfer over this many groups of key/value heads (it must
         divide K): group g+1's K/V travel while group g's remote part computes, and group g's
         dK/dV return while group g+1's backward runs, so that only a G-th of the transfer waits
@@ -265,8 +301,8 @@ def dot_product_attention(
         not None, an int >= 0 or a pair of them, a scale that is not a static number, an axis that
         is not bound (called outside ``shard_map``), a workspace that is closed, of another axis
         or too small, an unknown ``implementation``, ``implementation="cudnn"`` where cuDNN cannot
-        run these inputs (or with documents or a window), or ``head_groups`` that does not divide
-        the key/value heads.
+        run these inputs (or with documents, or a window it cannot take), or ``head_groups`` that
+        does not divide the key/value heads.
     """
     return attention(
         query, key, value, axis_name=axis_name, workspace=workspace, scale=scale, is_causal=is_causal,
@@ -297,6 +333,7 @@ def attention(
     options, words = prepare(
         query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
         local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
+        axis_name=axis_name,
     )  # fmt: skip
     num_ranks = api.axis_size(axis_name, "dot_product_attention")
     spec = api.spec_of(workspace, "dot_product_attention")

@@ -48,6 +48,17 @@ ids, ``masks.py``):
   of the ranks within the window's reach alone, ``window_reach``, the others' rows zeros that no
   query can see).
 
+Plain calls with a causal window (``plain_windows``: a kernel whose plain calls take a left
+window, cuDNN's sliding window; a causal window of left < c, no documents):
+
+- local: the diagonal blocks (``fold``, as plain causal) with the window (``Call.window``);
+- remote (the halo): each chunk's first ``left`` queries (the edge rows, folded into the batch)
+  against the ``left`` keys before the chunk (the halo's slots A and C; on rank R-1, whose chunks
+  R-1 and R touch, the second entry's keys are its own first chunk's tail, whose gradients go to
+  its own dK/dV: ``own_key_grads``). Query i of an edge sees key j of its halo when j >= i: causal
+  once both the rows and the keys are reversed (``Call.flip``). Rank 0's first chunk has no halo
+  (a key count of 0).
+
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
 benchmarks' way to run the transfer's path on one device; then only the far call has keys).
@@ -70,20 +81,23 @@ I32 = jnp.int32
 # How a call's query rows are taken from the rank's 2c rows (and its results put back):
 # all of them; the two chunks folded into the batch ([2B, c]); the far chunk 2R-1-r alone; the
 # segments ``Call.edges`` joined (a window's edge rows: the results stay compact, and the schedule
-# merges them into the local part's rows in place, so the call costs what its rows do, not 2c).
-Rows = Literal["all", "fold", "far", "edges"]
+# merges them into the local part's rows in place, so the call costs what its rows do, not 2c);
+# the two edges folded into the batch ([2B, left], a plain window's halo call).
+Rows = Literal["all", "fold", "far", "edges", "edges_fold"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
-# (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``).
-Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved"]
+# (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``); or the halo's two
+# slots before the chunks, folded (a plain window's halo call, ``_halo_keys``).
+Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved", "halo_fold"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One kernel call: its rows, its keys and its mask (plain: ``causal`` and ``kv_len``, int32
-    [entries] or None; masked: ``vis``)."""
+    """One kernel call: its rows, its keys and its mask (plain: ``causal``, ``kv_len``, int32
+    [entries] or None, and ``window``; masked: ``vis``); ``flip``: rows and keys reversed for the
+    kernel (and its results reversed back)."""
 
     rows: Rows = dataclasses.field(metadata=dict(static=True))
     keys: Keys = dataclasses.field(metadata=dict(static=True))
@@ -91,6 +105,8 @@ class Call:
     kv_len: Any = None
     vis: Visibility | None = None
     edges: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    flip: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -113,10 +129,18 @@ class RankPlan:
     # The transfer can move a wide window's chunks alone (``window_chunks.py``; XLA's permutes):
     # else such a window gathers all K/V.
     moves_window_chunks: bool = False
+    # The kernel's plain calls take a causal left window (cuDNN): such a window runs as plain
+    # calls (the layer's choice checked that it is shorter than a chunk, or R = 1).
+    plain_windows: bool = False
+
+    @property
+    def window_as_plain(self) -> bool:
+        return self.plain_windows and self.causal and self.window is not None and not self.documents
 
     @property
     def masked(self) -> bool:
-        return self.window is not None or self.documents or self.plain_as_masked
+        windowed = self.window is not None and not self.window_as_plain
+        return windowed or self.documents or self.plain_as_masked
 
     @property
     def mask(self) -> Mask:
@@ -124,7 +148,7 @@ class RankPlan:
 
     @property
     def has_remote(self) -> bool:
-        if self.masked:
+        if self.masked or self.window is not None:
             mask = self.mask
             return self.num_ranks > 1 and not (mask.left == 0 and mask.right == 0)
         return self.num_ranks > 1 or (self.transfer_when_alone and self.causal)
@@ -179,6 +203,8 @@ class RankPlan:
         whole sequence in natural order, as int32 words ``[B, S, W]`` (``id_words``), or None."""
         if self.masked:
             return self._masked_calls(q.shape[1] // 2, rank, words)
+        if self.window_as_plain:
+            return self._plain_window_calls(q, rank)
         if self.causal and self.has_remote:
             local: tuple[Call, ...] = (Call("fold", "own_fold", causal=True),)
         else:
@@ -191,6 +217,22 @@ class RankPlan:
         if self.num_ranks == 1:
             return Calls(local, (far,))
         return Calls(local, (Call("fold", "gathered_fold", kv_len=self._paired_lengths(q, rank)), far))
+
+    def _plain_window_calls(self, q, rank) -> Calls:
+        """A causal window of left < c as plain calls (the module's third list)."""
+        left = self.mask.left
+        assert left is not None
+        if not self.has_remote:  # R = 1 (the natural order), or a window of 0 (each query itself)
+            return Calls((Call("all", "own", causal=True, window=left),), ())
+        c = q.shape[1] // 2
+        assert left < c, (left, c)
+        local = Call("fold", "own_fold", causal=True, window=left)
+        has_halo = jnp.stack([jnp.where(jnp.asarray(rank) > 0, left, 0), jnp.asarray(left)]).astype(I32)
+        halo_call = Call(
+            "edges_fold", "halo_fold", causal=True, kv_len=jnp.tile(has_halo, q.shape[0]),
+            edges=edge_rows(c, left, 0), flip=True,
+        )  # fmt: skip
+        return Calls((local,), (halo_call,))
 
     def _masked_calls(self, c: int, rank, words) -> Calls:
         mask, q_pos = self.mask, self._own_positions(c, rank)
@@ -260,6 +302,8 @@ class RankPlan:
         """The call's query rows of ``x [B, 2c, ...]`` (queries, outputs, their cotangents)."""
         if call.rows == "fold":
             return fold(x)
+        if call.rows == "edges_fold":
+            return _flip(fold(RankPlan.at_edges(call, x)))
         return _far(x) if call.rows == "far" else RankPlan.at_edges(call, x)
 
     @staticmethod
@@ -267,14 +311,18 @@ class RankPlan:
         """The call's rows of a log-sum-exp ``[B, N, 2c]``."""
         if call.rows == "fold":
             return fold_lse(lse)
+        if call.rows == "edges_fold":
+            return _flip(fold_lse(RankPlan.at_edges(call, lse, axis=-1)), -1)
         return _far(lse, -1) if call.rows == "far" else RankPlan.at_edges(call, lse, axis=-1)
 
     @staticmethod
     def put_rows(call: Call, x, fill):
         """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have
-        (``edges``: left compact, for ``into_rows``)."""
+        (``edges``, ``edges_fold``: left compact, for ``into_rows``)."""
         if call.rows == "fold":
             return unfold(x)
+        if call.rows == "edges_fold":
+            return unfold(_flip(x))
         return _on_far_rows(x, fill) if call.rows == "far" else x
 
     @staticmethod
@@ -283,19 +331,21 @@ class RankPlan:
         left compact)."""
         if call.rows == "fold":
             return unfold_lse(lse)
+        if call.rows == "edges_fold":
+            return unfold_lse(_flip(lse, -1))
         return _on_far_rows(lse, -jnp.inf, -1) if call.rows == "far" else lse
 
     @staticmethod
     def at_edges(call: Call, x, axis: int = 1):
-        """An ``edges`` call's rows of ``x [.., 2c, ..]``, joined; ``x`` itself for any other call
-        (whose results ``put_rows`` brings back over all 2c rows)."""
-        return _take_segments(x, call.edges, axis) if call.rows == "edges" else x
+        """An edge rows call's (``edges``, ``edges_fold``) rows of ``x [.., 2c, ..]``, joined;
+        ``x`` itself for any other call (whose results ``put_rows`` brings back over all 2c rows)."""
+        return _take_segments(x, call.edges, axis) if call.edges else x
 
     @staticmethod
     def into_rows(call: Call, full, rows, axis: int = 1):
-        """``full [.., 2c, ..]`` with an ``edges`` call's compact ``rows`` written at its segments
+        """``full [.., 2c, ..]`` with an edge rows call's compact ``rows`` written at its segments
         (in place: static slices); ``rows`` itself for any other call."""
-        if call.rows != "edges":
+        if not call.edges:
             return rows
         at = 0
         for start, stop in call.edges:
@@ -311,6 +361,8 @@ class RankPlan:
         ``[B, S, ...]`` ones (for ``moved``: the rows the window's transfer brought)."""
         if call.keys in ("own", "moved"):
             return own if call.keys == "own" else gathered
+        if call.keys == "halo_fold":
+            return _flip(self._halo_keys(own, gathered, rank))
         if call.keys == "own_fold":
             return fold(own)
         if call.keys == "gathered_fold":
@@ -323,9 +375,37 @@ class RankPlan:
         the moved rows ``[B, L, ...]``."""
         if call.keys in ("own_fold", "gathered_fold"):
             return unfold(g)
+        if call.keys == "halo_fold":  # over the moved rows; rank R-1's own tail goes to own_key_grads
+            g = _entries(_flip(g))
+            second = jnp.where(self._touching(rank), jnp.zeros_like(g[:, 1]), g[:, 1])
+            return unfold(jnp.stack([g[:, 0], second], axis=1).reshape(-1, *g.shape[2:]))
         if call.keys == "first_half":
             return _on_first_half(g)
         return self._spread(g, rank) if call.keys == "others" else g
+
+    def own_key_grads(self, call: Call, g, rank, own_len: int):
+        """The gradients of the rank's own keys ``[B, own_len, ...]`` that a remote call read (a
+        plain window's halo call on rank R-1: its first chunk's tail), or None (none read)."""
+        if call.keys != "halo_fold":
+            return None
+        tail = _entries(_flip(g))[:, 1]  # [B, left, ...]
+        tail = jnp.where(self._touching(rank), tail, jnp.zeros_like(tail))
+        c, left = own_len // 2, tail.shape[1]
+        pad = [(0, 0), (c - left, own_len - c)] + [(0, 0)] * (tail.ndim - 2)
+        return jnp.pad(tail, pad)
+
+    def _halo_keys(self, own, moved, rank):
+        """[2B, left, ...]: the ``left`` keys before each of the rank's chunks (slots A and C of the
+        moved rows ``[B, 2 left, ...]``), b-major; on rank R-1 the second entry's are its own first
+        chunk's tail (slot C is padding there: chunk R's halo is its own)."""
+        halo = _entries(fold(moved))
+        c, left = own.shape[1] // 2, halo.shape[2]
+        second = jnp.where(self._touching(rank), own[:, c - left : c], halo[:, 1])
+        return jnp.stack([halo[:, 0], second], axis=1).reshape(-1, *halo.shape[2:])
+
+    def _touching(self, rank):
+        """Whether the rank's two chunks touch (rank R-1: chunks R-1 and R)."""
+        return jnp.asarray(rank) == self.num_ranks - 1
 
     def _own(self, x, rank):
         """The rank's two chunks of ``x [B, S, ...]`` (natural order): [B, 2c, ...]."""
@@ -397,6 +477,16 @@ def edge_rows(c: int, left: int, right: int) -> tuple[tuple[int, int], ...]:
                 start = segments.pop()[0]
             segments.append((start, stop))
     return tuple(segments)
+
+
+def _flip(x, axis: int = 1):
+    """``x`` reversed along ``axis`` (its own inverse)."""
+    return jnp.flip(x, axis=axis)
+
+
+def _entries(x):
+    """[2B, ...] (b-major pairs, as ``fold``) -> [B, 2, ...]."""
+    return x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
 
 
 def _take_segments(x, segments, axis: int):

@@ -75,14 +75,15 @@ def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
         out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale)
     else:
         out, lse = kernels.forward(
-            cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len
+            cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len, window=call.window
         )
     return plan.put_rows(call, out, 0), plan.put_lse(call, lse)
 
 
 def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
-    """The call's (dq [B, T, N, H], dk, dv): the rank's own [B, T, K, H] for a local call, the
-    gathered [B, S, K, H] for a remote one."""
+    """The call's (dq [B, T, N, H], dk, dv, own dk, own dv): dk and dv the rank's own [B, T, K, H]
+    for a local call, the gathered [B, S, K, H] (or moved rows) for a remote one; own dk and dv
+    those of the rank's own keys a remote call read (``RankPlan.own_key_grads``), else None."""
     plan = cfg.plan
     qc, oc, dc = (plan.take_rows(call, x) for x in (q, out, d_out))
     lc = plan.take_lse(call, lse)
@@ -91,9 +92,15 @@ def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d
         dq, dk, dv = kernels.masked_backward(cfg.impl, qc, kc, vc, oc, lc, dc, call.vis, scale=cfg.scale)
     else:
         dq, dk, dv = kernels.backward(
-            cfg.impl, qc, kc, vc, oc, lc, dc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len
-        )
-    return plan.put_rows(call, dq, 0), plan.put_key_grads(call, dk, rank), plan.put_key_grads(call, dv, rank)
+            cfg.impl, qc, kc, vc, oc, lc, dc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len,
+            window=call.window,
+        )  # fmt: skip
+    own_len = q.shape[1]
+    return (
+        plan.put_rows(call, dq, 0),
+        *(plan.put_key_grads(call, g, rank) for g in (dk, dv)),
+        *(plan.own_key_grads(call, g, rank, own_len) for g in (dk, dv)),
+    )
 
 
 # -- the two parts -----------------------------------------------------------------------------
@@ -105,7 +112,7 @@ def _local_forward(cfg: Config, calls, q, k, v):
 
 
 def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
-    grads = [_call_backward(cfg, call, q, k, v, None, None, out, lse, d_out, None) for call in calls]
+    grads = [_call_backward(cfg, call, q, k, v, None, None, out, lse, d_out, None)[:3] for call in calls]
     if len(grads) == 1:
         return grads[0]
     return tuple(
@@ -113,22 +120,26 @@ def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
     )
 
 
-def _remote_forward(cfg: Config, calls, q, k_glob, v_glob, rank):
-    """The remote part's (out, lse) pairs, one per call, for these heads."""
-    return [_call_forward(cfg, call, q, None, None, k_glob, v_glob, rank) for call in calls]
+def _remote_forward(cfg: Config, calls, q, k, v, k_glob, v_glob, rank):
+    """The remote part's (out, lse) pairs, one per call, for these heads (``k``, ``v``: the rank's
+    own, which a plain window's halo call reads on rank R-1)."""
+    return [_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls]
 
 
-def _remote_backward(cfg: Config, calls, q, k_glob, v_glob, out, lse, d_out, rank):
+def _remote_backward(cfg: Config, calls, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
     """The remote part's (dq float32, dk, dv over the gathered length, zero where it read no key)
     for these heads, each the float32 sum of its calls' gradients, the key gradients rounded once
-    to their dtype."""
-    grads = [_call_backward(cfg, c, q, None, None, k_glob, v_glob, out, lse, d_out, rank) for c in calls]
-    dq, dk, dv = (_sum_f32(g) for g in zip(*grads, strict=True))
-    return dq, rounded(dk, k_glob.dtype), rounded(dv, v_glob.dtype)
+    to their dtype; then (own dk, own dv) float32, those of the rank's own keys ``k``, ``v`` it
+    read, or None."""
+    grads = [_call_backward(cfg, c, q, k, v, k_glob, v_glob, out, lse, d_out, rank) for c in calls]
+    dq, dk, dv, *own = (_sum_f32(g) for g in zip(*grads, strict=True))
+    return dq, rounded(dk, k_glob.dtype), rounded(dv, v_glob.dtype), *own
 
 
 def _sum_f32(xs):
-    return sum(x.astype(F32) for x in xs)
+    """The float32 sum of the arrays in ``xs`` that are not None (None if all are)."""
+    present = [x.astype(F32) for x in xs if x is not None]
+    return sum(present) if present else None
 
 
 # -- the custom VJP ----------------------------------------------------------------------------
@@ -180,11 +191,13 @@ def _forward(cfg: Config, q, k, v, rank, words):
     kv_glob, remote_parts = [gathered], []
     for g in range(1, groups):
         next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
-        gathered, parts = gather(next_kv, remote, calls.remote, qs[g - 1], *kv_glob[-1], rank)
+        gathered, parts = gather(
+            next_kv, remote, calls.remote, qs[g - 1], ks[g - 1], vs[g - 1], *kv_glob[-1], rank
+        )
         kv_glob.append(gathered)
         remote_parts.append(parts)
     k_glob, v_glob = kv_glob[-1]
-    remote_parts.append(remote(calls.remote, qs[-1], k_glob, v_glob, rank))
+    remote_parts.append(remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank))
     # call p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
     joined = [
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
@@ -238,7 +251,7 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     if not calls.remote:
         return (*local_backward(q, k, v, out, lse, d_out), None, None)
     groups = cfg.head_groups
-    qs, outs, d_outs = (_heads(x, groups) for x in (q, out, d_out))
+    qs, ks, vs, outs, d_outs = (_heads(x, groups) for x in (q, k, v, out, d_out))
     lses = _heads(lse, groups, axis=1)
     remote = functools.partial(_remote_backward, cfg)
     _, return_grads = _transfers(cfg, q)
@@ -246,22 +259,27 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     def group(g: int):
         """The arguments of group g's remote backward."""
         k_glob, v_glob = kv_glob[g]
-        return calls.remote, qs[g], k_glob, v_glob, outs[g], lses[g], d_outs[g], rank
+        return calls.remote, qs[g], ks[g], vs[g], k_glob, v_glob, outs[g], lses[g], d_outs[g], rank
 
-    dq_r, dk_r, dv_r = remote(*group(0))
-    dqs, returned, sending = [dq_r], [], (dk_r, dv_r)
+    dq_r, dk_r, dv_r, *own_r = remote(*group(0))
+    dqs, owns, returned, sending = [dq_r], [own_r], [], (dk_r, dv_r)
     for g in range(1, groups):
-        back, (dq_r, dk_r, dv_r) = return_grads(sending, remote, *group(g))
+        back, (dq_r, dk_r, dv_r, *own_r) = return_grads(sending, remote, *group(g))
         dqs.append(dq_r)
+        owns.append(own_r)
         returned.append(back)
         sending = _after(back, (dk_r, dv_r))
     back, (dq_l, dk_l, dv_l) = return_grads(sending, local_backward, q, k, v, out, lse, d_out)
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
-    add = lambda a, b, like: rounded(a.astype(F32) + b.astype(F32), like.dtype)
+    total = lambda like, *xs: rounded(_sum_f32(xs), like.dtype)
+    # the rank's own keys a remote call read (a plain window's halo on rank R-1): a share of their
+    # own, rounded like the others, and summed with them in float32
+    own = [None, None] if owns[0][0] is None else [_join([o[i] for o in owns], axis=2) for i in (0, 1)]
+    own = [None if x is None else rounded(x, like.dtype) for x, like in zip(own, (k, v), strict=True)]
     call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
-    dq = plan.into_rows(call, dq_l, add(_join(dqs, axis=2), plan.at_edges(call, dq_l), q))
-    return dq, add(dk_back, dk_l, k), add(dv_back, dv_l, v), None, None
+    dq = plan.into_rows(call, dq_l, total(q, _join(dqs, axis=2), plan.at_edges(call, dq_l)))
+    return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

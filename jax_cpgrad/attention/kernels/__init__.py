@@ -1,6 +1,7 @@
 """The attention kernels the layer can call, behind one contract (``contract.py``).
 
-- ``cudnn.py``: jax's private cuDNN flash-attention primitives, plain calls (causal or full);
+- ``cudnn.py``: jax's private cuDNN flash-attention primitives, plain calls (causal or full, and
+  causal with a left window: the layer's windows shorter than a chunk, ``plan.py``);
 - ``xla.py``: plain jnp, every mask, any dtype and platform (the reference, the CPU tests); masked
   calls of more than :data:`DENSE_SCORES_MAX` scores per head take ``blockwise.py`` instead, which
   visits only the tiles a Visibility needs and never holds the whole score matrix;
@@ -8,8 +9,9 @@
   calls only (plain attention goes to them as masked calls).
 
 :data:`KERNELS` is the one list of implementations: ``implementation=`` takes their names, and
-``implementation=None`` takes the first of them that can run the call (its order) among those
-marked ``by_default``.
+``implementation=None`` takes the first of them that can run the call among those marked
+``by_default``: in :data:`KERNELS`' order for plain attention, in :data:`MASKED_ORDER` for
+documents and windows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("xla", xla.forward, xla.backward, _xla_masked_forward, _xla_masked_backward),
 )
 IMPLEMENTATIONS = tuple(kernel.name for kernel in KERNELS)
+# Documents and windows: the Pallas kernels where they run (sm_90: one masked call a part), cuDNN
+# for a window its plain calls can take (elsewhere), XLA for the rest.
+MASKED_ORDER = ("mosaic", "cudnn", "xla")
+
+
+def choice_order(masked: bool) -> tuple[Kernel, ...]:
+    """The kernels implementation=None tries, in order."""
+    return tuple(by_name(name) for name in MASKED_ORDER) if masked else KERNELS
 
 
 def by_name(name: str) -> Kernel:
@@ -66,16 +76,17 @@ def _entry(impl: str, call: str) -> Callable:
 # and the layer widens it again to merge.
 
 
-def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None):
-    """(out, lse) of a plain call (causal or full, ``kv_len``) of ``impl``; see ``contract.py``."""
+def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None, window=None):
+    """(out, lse) of a plain call (causal or full, ``kv_len``, a causal ``window``) of ``impl``;
+    see ``contract.py``."""
     kernel = _entry(impl, "forward")
     if _folds_groups(q, k, causal):
         out, lse = kernel(fold_groups(q, k), k, v, causal=False, scale=scale, kv_len=kv_len)
         return firm((_unfold_groups(out, q), lse.reshape(q.shape[0], q.shape[2], q.shape[1])))
-    return firm(kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len))
+    return firm(kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len, **_windowed(window)))
 
 
-def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
+def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None, window=None):
     """(dq, dk, dv) of a plain call whose merged output and log-sum-exp are o and lse."""
     kernel = _entry(impl, "backward")
     if _folds_groups(q, k, causal):
@@ -83,7 +94,12 @@ def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_l
         lse = lse.reshape(q.shape[0], k.shape[2], -1)
         dq, dk, dv = kernel(fold(q), k, v, fold(o), lse, fold(do), causal=False, scale=scale, kv_len=kv_len)
         return firm((_unfold_groups(dq, q), dk, dv))
-    return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len))
+    return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len, **_windowed(window)))
+
+
+def _windowed(window) -> dict:
+    """``window=`` for a windowed call only (kernels without plain windows never see it)."""
+    return {} if window is None else {"window": window}
 
 
 def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float):

@@ -11,9 +11,11 @@ the natural log of the summed exponentials of the scaled scores of the keys a ro
 Two kinds of call:
 
 - **plain** (causal or full, optionally only the first ``kv_len[b]`` keys of entry b):
-  ``forward(q, k, v, *, causal, scale, kv_len=None) -> (out, lse)`` and
-  ``backward(q, k, v, out, lse, d_out, *, causal, scale, kv_len=None) -> (dq, dk, dv)``;
-  ``causal``: query i sees keys 0..i (T == L); ``kv_len``: int32 ``[B]``, a run-time value.
+  ``forward(q, k, v, *, causal, scale, kv_len=None, window=None) -> (out, lse)`` and
+  ``backward(q, k, v, out, lse, d_out, *, causal, scale, kv_len=None, window=None) -> (dq, dk, dv)``;
+  ``causal``: query i sees keys 0..i (T == L); ``kv_len``: int32 ``[B]``, a run-time value;
+  ``window`` (an int w, with ``causal`` and no ``kv_len``, kernels with ``plain_windows`` only):
+  query i sees keys i - w .. i alone (cuDNN's sliding window).
 - **masked** (documents, windows, anything :class:`~jax_cpgrad.attention.masks.Visibility`
   describes: per query row the key indices ``[row_lo, row_hi)`` it sees, per key the query
   indices ``[col_lo, col_hi)`` that see it, leading dimension 1 or B):
@@ -38,6 +40,12 @@ from typing import Any
 
 from ..masks import Visibility
 
+# Which windows plain calls with ``window=`` can run, in messages.
+PLAIN_WINDOWS = (
+    "with is_causal=True and a left side smaller than a chunk (T/2 tokens of the rank's T; any "
+    "left side at R = 1)"
+)
+
 
 def _anything(dtype, head_dim: int) -> str | None:
     return None
@@ -59,14 +67,25 @@ class Kernel:
     plain_as_masked: bool = False
     # Taken by implementation=None (where it can run); False: only when asked for by name.
     by_default: bool = True
+    # Plain causal calls take a left window (``window=``): the layer then runs a causal window
+    # shorter than a chunk without masks (``plan.RankPlan.plain_windows``).
+    plain_windows: bool = False
 
     @property
     def takes_masks(self) -> bool:
         return self.masked_forward is not None
 
-    def why_not(self, dtype, head_dim: int, masked: bool) -> str | None:
+    def takes(self, masked: bool, plain_window: bool = False) -> bool:
+        """Whether it can express the mask: ``masked`` (documents or a window), of which
+        ``plain_window`` says whether it is a window that plain calls can run (a causal window
+        shorter than a chunk, no documents: ``layer._plain_window``)."""
+        return not masked or self.takes_masks or (plain_window and self.plain_windows)
+
+    def why_not(self, dtype, head_dim: int, masked: bool, plain_window: bool = False) -> str | None:
         """None where this kernel can run such a call; otherwise why not (see the module)."""
-        if masked and not self.takes_masks:
+        if not self.takes(masked, plain_window):
+            if self.plain_windows:
+                return f"no documents (segment_ids), and a local window only {PLAIN_WINDOWS}"
             return "no documents and no local window (segment_ids, local_window_size)"
         if not masked and self.forward is None and not self.plain_as_masked:
             return "documents or a local window"

@@ -1,5 +1,6 @@
 """jax's cuDNN flash-attention primitives, bound directly, and their limits: plain calls only
-(causal or full, with ``kv_len``), bfloat16/float16, an NVIDIA GPU of compute capability 8.0+.
+(causal or full, with ``kv_len``; causal with a left window, cuDNN's sliding window), bfloat16/
+float16, an NVIDIA GPU of compute capability 8.0+.
 
 They are private jax API (``jax._src.cudnn.fused_attention_stablehlo``): the public
 ``jax.nn.dot_product_attention`` rounds the log-sum-exp to the input dtype and its backward cannot
@@ -79,7 +80,7 @@ def refuses(dtype, head_dim: int) -> str | None:
     return None
 
 
-def _operands(fas, q, causal: bool, scale: float, kv_len):
+def _operands(fas, q, causal: bool, scale: float, kv_len, window=None):
     """The seven optional operands (bias, q/kv lengths, q/kv offsets, paged K/V tables: absent
     unless kv_len is given) and the primitives' parameters."""
     unused = jnp.zeros((0,), q.dtype)
@@ -95,11 +96,15 @@ def _operands(fas, q, causal: bool, scale: float, kv_len):
         q_len = jnp.where(has_keys, q.shape[1], 1).astype(jnp.int32)
         lengths = (q_len, jnp.where(has_keys, kv_len, 1).astype(jnp.int32))
         mask = fas.MaskType.PADDING_CAUSAL if causal else fas.MaskType.PADDING
-    return (unused, *lengths, unused, unused, unused, unused), params(fas, mask, scale)
+    if window is not None and (not causal or kv_len is not None):
+        raise ValueError("cudnn attention: a window needs a causal call without kv_len")
+    return (unused, *lengths, unused, unused, unused, unused), params(fas, mask, scale, window)
 
 
-def params(fas, mask, scale: float) -> dict:
-    """The primitives' parameters for ``mask`` (a ``fas.MaskType``): no dropout, no bias, BTNH."""
+def params(fas, mask, scale: float, window: int | None = None) -> dict:
+    """The primitives' parameters for ``mask`` (a ``fas.MaskType``): no dropout, no bias, BTNH;
+    with ``window`` w (causal), query i sees keys i - w .. i: cuDNN's sliding window of w + 1
+    (as ``jax.nn.dot_product_attention`` passes a left window)."""
     return dict(
         scale=float(scale),
         seed=0,
@@ -107,7 +112,7 @@ def params(fas, mask, scale: float) -> dict:
         variadic_args=(False, False),
         mask_type=mask,
         layout=fas.AttentionLayout.BTNH.value,
-        sliding_window_length=None,
+        sliding_window_length=None if window is None else int(window) + 1,
     )
 
 
@@ -118,18 +123,18 @@ def _binds():
     return found
 
 
-def forward(q, k, v, *, causal: bool, scale: float, kv_len=None):
+def forward(q, k, v, *, causal: bool, scale: float, kv_len=None, window=None):
     fas, extra = _binds()
-    operands, kw = _operands(fas, q, causal, scale, kv_len)
+    operands, kw = _operands(fas, q, causal, scale, kv_len, window)
     out, lse = fas._dot_product_attention_fwd_p_wrapper.bind(
         q, k, v, *operands, is_training=True, **kw, **extra
     )
     return _clear_empty_rows(out, lse, kv_len)
 
 
-def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
+def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None, window=None):
     fas, extra = _binds()
-    operands, kw = _operands(fas, q, causal, scale, kv_len)
+    operands, kw = _operands(fas, q, causal, scale, kv_len, window)
     dq, dk, dv = fas._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, *operands, lse.astype(F32), o.astype(q.dtype), do.astype(q.dtype), **kw, **extra
     )
@@ -151,4 +156,4 @@ def _clear_empty_rows(out, lse, kv_len):
     return out, jnp.where(has_keys[:, None, None], lse.astype(F32), -jnp.inf)
 
 
-KERNEL = Kernel("cudnn", forward, backward, refuses=refuses)
+KERNEL = Kernel("cudnn", forward, backward, refuses=refuses, plain_windows=True)

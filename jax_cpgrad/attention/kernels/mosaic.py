@@ -3,9 +3,11 @@ masked calls only, which express every mask the layer has (any causal offset, wi
 documents), so plain causal or full attention runs as masked calls too (``plan.RankPlan``'s
 ``plain_as_masked``); bfloat16/float16, head dims 64 and 128, Hopper GPUs (sm_90).
 
-``implementation=None`` takes it for documents and windows on sm_90 (cuDNN cannot express them,
-and on an H200 it is many times faster than the masked XLA kernel); plain causal or full calls
-stay with cuDNN, whose backward is faster than ours (benchmarks/results/README.md).
+``implementation=None`` takes it for documents and windows on sm_90 (cuDNN expresses neither
+documents nor windows but causal ones under a chunk, where its plain calls were within 3% of
+ours per rank on an H200 without ours' same bits every run; it is many times faster than the
+masked XLA kernel); plain causal or full calls stay with cuDNN, whose backward is faster than
+ours (benchmarks/results/README.md, findings 11 and 13).
 """
 
 from __future__ import annotations

@@ -16,11 +16,13 @@ from .contract import check_visibility
 F32 = jnp.float32
 
 
-def _plain_mask(t: int, l_len: int, causal: bool, kv_len):
+def _plain_mask(t: int, l_len: int, causal: bool, kv_len, window=None):
     """Boolean [B or 1, 1, 1, T, L]: which keys each query sees."""
     mask = jnp.ones((1, 1, 1, t, l_len), bool)
     if causal:
         mask = mask & jnp.tril(jnp.ones((t, l_len), bool))
+    if window is not None:  # causal's sliding window: key j within `window` before query i
+        mask = mask & ~jnp.tril(jnp.ones((t, l_len), bool), -window - 1)
     if kv_len is not None:
         mask = mask & (jnp.arange(l_len) < kv_len[:, None])[:, None, None, None, :]
     return mask
@@ -71,12 +73,13 @@ def _backward(q, k, v, o, lse, do, mask, scale: float):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def forward(q, k, v, *, causal: bool, scale: float, kv_len=None):
-    return _forward(q, k, v, _plain_mask(q.shape[1], k.shape[1], causal, kv_len), scale)
+def forward(q, k, v, *, causal: bool, scale: float, kv_len=None, window=None):
+    return _forward(q, k, v, _plain_mask(q.shape[1], k.shape[1], causal, kv_len, window), scale)
 
 
-def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None):
-    return _backward(q, k, v, o, lse, do, _plain_mask(q.shape[1], k.shape[1], causal, kv_len), scale)
+def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None, window=None):
+    mask = _plain_mask(q.shape[1], k.shape[1], causal, kv_len, window)
+    return _backward(q, k, v, o, lse, do, mask, scale)
 
 
 def masked_forward(q, k, v, vis: Visibility, *, scale: float):
