@@ -8,7 +8,8 @@ For each sequence length S and number of key/value heads: forward + backward of
 transfer (``jax_cpgrad.attention.rank_without_transfer``; t_rank, the slowest of ranks 0, N/2
 and N-1). t_rank includes the emulation's stand-in for the K/V gather (n local copies of K and V
 concatenated, which a real rank's transfer replaces): timed alone too, and printed and kept in
-the JSON (t_stand_in_gather_ms), not subtracted.
+the JSON (t_stand_in_gather_ms), not subtracted. A window shorter than a chunk gathers nothing of
+the kind (its stand-in is a copy of the halo's few rows, in t_rank): 0 there.
 A rank does 1/N of the causal work, so N x t_rank / t_unsharded is 1.00 when nothing is wasted.
 Targets: <= 1.03 at N = 1, <= 1.05 where chunks (S/2N tokens) are >= 4k, <= 1.15 at 1k-2k.
 bf16, batch 1, 32 query heads of 128 (--heads, --head-dim). --window W and --documents L give
@@ -241,7 +242,7 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         step = fwd_bwd(lambda q, k, v, rank, n=n, mine=mine: rank_attention(q, k, v, rank, n, **mine))
         ranks = sorted({0, n // 2, n - 1})
         programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
-        if n > 1:
+        if n > 1 and not (opts.window is not None and opts.window < chunk):  # no halo window
             programs[(n, "stand-in")] = (stand_in_gather(n), data[1:3])
         layouts.append((n, chunk, ranks))
     times, readings = times_in_rounds(programs, opts)

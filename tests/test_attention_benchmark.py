@@ -196,5 +196,7 @@ def test_cpu_smoke_run_against_the_layer_at_one_rank(tmp_path, balanced):
         assert abs(row["ratio_slowest_to_largest_share"] - slowest) < 1e-9
         assert row["target_to_share"] == 1.10 and row["target"] is None
         assert row["meets_target_to_share"] == (row["ratio_to_share"] <= 1.10)
+        # a window under a chunk moves the halo's rows, not a gather of all K/V: no such stand-in
+        assert row["t_stand_in_gather_ms"] == 0 and "stand-in" not in row["readings_ms"]
     assert abs(sum(bench.visible_share(512, 4, 40, 96)) - 1) < 1e-12
     assert sorted(rows[4]["share_by_rank"]) == ["0", "2", "3"]
