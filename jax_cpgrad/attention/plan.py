@@ -56,8 +56,8 @@ window, cuDNN's sliding window; a causal window of left < c, no documents):
   against the ``left`` keys before the chunk (the halo's slots A and C; on rank R-1, whose chunks
   R-1 and R touch, the second entry's keys are its own first chunk's tail, whose gradients go to
   its own dK/dV: ``own_key_grads``). Query i of an edge sees key j of its halo when j >= i: causal
-  once both the rows and the keys are reversed (``Call.flip``). Rank 0's first chunk has no halo
-  (a key count of 0).
+  once both the rows and the keys are reversed (``edges_fold`` rows, ``halo_fold`` keys). Rank
+  0's first chunk has no halo (a key count of 0).
 
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
@@ -82,13 +82,13 @@ I32 = jnp.int32
 # all of them; the two chunks folded into the batch ([2B, c]); the far chunk 2R-1-r alone; the
 # segments ``Call.edges`` joined (a window's edge rows: the results stay compact, and the schedule
 # merges them into the local part's rows in place, so the call costs what its rows do, not 2c);
-# the two edges folded into the batch ([2B, left], a plain window's halo call).
+# the two edges folded into the batch and reversed ([2B, left], a plain window's halo call).
 Rows = Literal["all", "fold", "far", "edges", "edges_fold"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
 # (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``); or the halo's two
-# slots before the chunks, folded (a plain window's halo call, ``_halo_keys``).
+# slots before the chunks, folded and reversed (a plain window's halo call, ``_halo_keys``).
 Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved", "halo_fold"]
 
 
@@ -96,8 +96,7 @@ Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "move
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One kernel call: its rows, its keys and its mask (plain: ``causal``, ``kv_len``, int32
-    [entries] or None, and ``window``; masked: ``vis``); ``flip``: rows and keys reversed for the
-    kernel (and its results reversed back)."""
+    [entries] or None, and ``window``; masked: ``vis``)."""
 
     rows: Rows = dataclasses.field(metadata=dict(static=True))
     keys: Keys = dataclasses.field(metadata=dict(static=True))
@@ -106,7 +105,6 @@ class Call:
     vis: Visibility | None = None
     edges: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=dict(static=True))
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-    flip: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -230,7 +228,7 @@ class RankPlan:
         has_halo = jnp.stack([jnp.where(jnp.asarray(rank) > 0, left, 0), jnp.asarray(left)]).astype(I32)
         halo_call = Call(
             "edges_fold", "halo_fold", causal=True, kv_len=jnp.tile(has_halo, q.shape[0]),
-            edges=edge_rows(c, left, 0), flip=True,
+            edges=edge_rows(c, left, 0),
         )  # fmt: skip
         return Calls((local,), (halo_call,))
 
@@ -378,7 +376,7 @@ class RankPlan:
         if call.keys == "halo_fold":  # over the moved rows; rank R-1's own tail goes to own_key_grads
             g = _entries(_flip(g))
             second = jnp.where(self._touching(rank), jnp.zeros_like(g[:, 1]), g[:, 1])
-            return unfold(jnp.stack([g[:, 0], second], axis=1).reshape(-1, *g.shape[2:]))
+            return unfold(_pair_up(g[:, 0], second))
         if call.keys == "first_half":
             return _on_first_half(g)
         return self._spread(g, rank) if call.keys == "others" else g
@@ -401,7 +399,7 @@ class RankPlan:
         halo = _entries(fold(moved))
         c, left = own.shape[1] // 2, halo.shape[2]
         second = jnp.where(self._touching(rank), own[:, c - left : c], halo[:, 1])
-        return jnp.stack([halo[:, 0], second], axis=1).reshape(-1, *halo.shape[2:])
+        return _pair_up(halo[:, 0], second)
 
     def _touching(self, rank):
         """Whether the rank's two chunks touch (rank R-1: chunks R-1 and R)."""
@@ -487,6 +485,11 @@ def _flip(x, axis: int = 1):
 def _entries(x):
     """[2B, ...] (b-major pairs, as ``fold``) -> [B, 2, ...]."""
     return x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
+
+
+def _pair_up(first, second):
+    """The inverse of ``_entries``: entries [B, ...] and [B, ...] -> [2B, ...], b-major."""
+    return jnp.stack([first, second], axis=1).reshape(-1, *first.shape[1:])
 
 
 def _take_segments(x, segments, axis: int):

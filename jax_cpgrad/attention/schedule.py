@@ -275,8 +275,10 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     total = lambda like, *xs: rounded(_sum_f32(xs), like.dtype)
     # the rank's own keys a remote call read (a plain window's halo on rank R-1): a share of their
     # own, rounded like the others, and summed with them in float32
-    own = [None, None] if owns[0][0] is None else [_join([o[i] for o in owns], axis=2) for i in (0, 1)]
-    own = [None if x is None else rounded(x, like.dtype) for x, like in zip(own, (k, v), strict=True)]
+    own = [
+        None if owns[0][i] is None else rounded(_join([o[i] for o in owns], axis=2), like.dtype)
+        for i, like in ((0, k), (1, v))
+    ]
     call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
     dq = plan.into_rows(call, dq_l, total(q, _join(dqs, axis=2), plan.at_edges(call, dq_l)))
     return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None

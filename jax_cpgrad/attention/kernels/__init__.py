@@ -83,7 +83,7 @@ def forward(impl: str, q, k, v, *, causal: bool, scale: float, kv_len=None, wind
     if _folds_groups(q, k, causal):
         out, lse = kernel(fold_groups(q, k), k, v, causal=False, scale=scale, kv_len=kv_len)
         return firm((_unfold_groups(out, q), lse.reshape(q.shape[0], q.shape[2], q.shape[1])))
-    return firm(kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len, **_windowed(window)))
+    return firm(kernel(q, k, v, causal=causal, scale=scale, kv_len=kv_len, window=window))
 
 
 def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_len=None, window=None):
@@ -94,12 +94,7 @@ def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_l
         lse = lse.reshape(q.shape[0], k.shape[2], -1)
         dq, dk, dv = kernel(fold(q), k, v, fold(o), lse, fold(do), causal=False, scale=scale, kv_len=kv_len)
         return firm((_unfold_groups(dq, q), dk, dv))
-    return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len, **_windowed(window)))
-
-
-def _windowed(window) -> dict:
-    """``window=`` for a windowed call only (kernels without plain windows never see it)."""
-    return {} if window is None else {"window": window}
+    return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len, window=window))
 
 
 def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float):
