@@ -35,8 +35,9 @@
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
 #   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
 #   per_rank_balanced: the mixes again in jax_cpgrad.balanced_document_order's order (--balanced-order);
-#   per_rank_window_kernels: the window of 512 on cuDNN's plain calls, then on ours (one after the
-#   other in the same command; STAGE_ARGS "--seq 64k" for another length);
+#   per_rank_window_kernels: the window of 512 (WINDOW=4096: of 4096, a chunk or more from R = 4)
+#   on cuDNN's plain calls, then on ours (one after the other in the same command; STAGE_ARGS
+#   "--seq 64k" for another length);
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -145,10 +146,10 @@ for s in "${stages[@]}"; do
           $(args_of "$s")
       done
       ;;
-    per_rank_window_kernels)  # the window of 512 on cuDNN's plain calls and on ours
+    per_rank_window_kernels)  # a window (512, or WINDOW) on cuDNN's plain calls and on ours
       for impl in cudnn mosaic; do
-        name=per_rank_window512_$impl
-        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 --window 512 \
+        name=per_rank_window${WINDOW:-512}_$impl
+        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 --window "${WINDOW:-512}" \
           --rank-implementation "$impl" --ideal layer --json "$OUT/$name.json" --png "$OUT/$name.png" \
           $(args_of "$s")
       done

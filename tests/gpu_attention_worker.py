@@ -298,13 +298,15 @@ def masks(mesh, n):
 
 
 HALO_WINDOWS = ((True, (CHUNK // 2, 0)), (False, (CHUNK // 4, CHUNK // 8)))  # (causal, (left, right))
-CUDNN_WINDOWS = (CHUNK // 2, CHUNK - 1)  # causal windows' left sides, shorter than a chunk
+# causal windows' left sides: shorter than a chunk (the halo), a chunk and more (the band)
+CUDNN_WINDOWS = (CHUNK // 2, CHUNK - 1, CHUNK, 2 * CHUNK + CHUNK // 2 + 3)
 
 
 def cudnn_windows(mesh, n):
     """implementation='cudnn' with causal windows shorter than a chunk (the diagonal blocks with
-    cuDNN's sliding window, the halo's edge rows as reversed causal calls): output and q/k/v
-    gradients within 5e-2 of the float32 unsharded attention, on a plain and an overlapped
+    cuDNN's sliding window, the halo's edge rows as reversed causal calls) and of a chunk or
+    more (the diagonal blocks causal, the keys before each chunk whole and as a reversed band):
+    output and q/k/v gradients within 5e-2 of the float32 unsharded attention, on a plain and an overlapped
     workspace, the same (bits, with cuDNN's deterministic backward) twice and on both; at R = 1
     (one call with the window) also on XLA's collectives."""
     checks, errors = {}, {}

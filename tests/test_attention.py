@@ -223,6 +223,21 @@ def test_the_cudnn_code_path_with_stand_in_primitives(
     assert bool(fake.key_counts) == (causal and n > 1)
 
 
+def _cudnn_window_check(monkeypatch, n: int, left: int, heads: str, head_groups: int):
+    """The layer with implementation='cudnn' through the stand-in primitives and a causal window
+    of ``left`` (chunks of 8 tokens; a right side of 3, which is_causal ignores) against the
+    dense reference; the stand-in, for what the calls were given."""
+    fake = _FakeCudnnPrimitives()
+    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
+    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
+    _check(
+        n, heads=heads, dtype=jnp.float16, chunk=8, batch=2, implementation="cudnn",
+        local_window_size=(left, 3), head_groups=head_groups,
+    )  # fmt: skip
+    jax.effects_barrier()
+    return fake
+
+
 _WINDOWS_UNDER_A_CHUNK = [(n, left) for n in (1, 2, 4, 8) for left in (0, 1, 5, 7)] + [(1, 12)]
 
 
@@ -233,41 +248,53 @@ def test_the_cudnn_window_path_with_stand_in_primitives(monkeypatch, n, left, he
     cuDNN's plain calls: the diagonal blocks with the sliding window, the halo's edge rows
     reversed against the keys before each chunk (rank R-1's own), against
     jax.nn.dot_product_attention with the window (its right side ignored, as with is_causal)."""
-    fake = _FakeCudnnPrimitives()
-    monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
-    monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
-    _check(
-        n, heads=heads, dtype=jnp.float16, chunk=8, batch=2, implementation="cudnn",
-        local_window_size=(left, 3), head_groups=head_groups,
-    )  # fmt: skip
-    jax.effects_barrier()
+    fake = _cudnn_window_check(monkeypatch, n, left, heads, head_groups)
     assert left in {w - 1 for w in fake.windows if w is not None}  # the diagonal blocks' window
     assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
     assert bool(fake.key_counts) == (n > 1 and left > 0)  # the halo call (rank 0's first: none)
 
 
+_WINDOWS_OF_A_CHUNK_OR_MORE = [(n, left) for n in (2, 4, 8) for left in (8, 9, 15, 16, 21)] + [(8, 200)]
+
+
+@pytest.mark.parametrize("n,left", _WINDOWS_OF_A_CHUNK_OR_MORE, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads,head_groups", [("gqa_g3", 1), ("mha", 2)], ids=str)
+def test_the_cudnn_wide_window_path_with_stand_in_primitives(monkeypatch, n, left, heads, head_groups):
+    """A causal window of a chunk (8 tokens) or more through cuDNN's plain calls: the diagonal
+    blocks causal, the left - c keys just before each chunk whole, and the c keys before those
+    as a causal call on reversed rows and keys (cut off at the sequence's start by the key
+    counts), against jax.nn.dot_product_attention with the window."""
+    fake = _cudnn_window_check(monkeypatch, n, left, heads, head_groups)
+    assert set(fake.windows) == {None}  # no sliding window: each call's mask is whole
+    assert all(counts.min() >= 1 for counts in fake.key_counts)  # never an entry with no key
+    spans = {int(k) for counts in fake.key_counts for k in counts.ravel()}
+    whole_span = min(left - 8, (2 * n - 1) * 8)  # keys before the last chunk: at most its start
+    assert max(spans) == max(8, whole_span)  # the band's c keys, or the whole span's
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_the_cudnn_window_path_on_the_peer_transports_halo(monkeypatch, n):
-    """The same with a workspace: the halo through the peer transport's gather with a reach of 1
-    (emulated on XLA's collectives, the rows out of reach zeros)."""
+@pytest.mark.parametrize("left", [6, 13], ids=["halo", "band"])
+def test_the_cudnn_window_path_on_the_peer_transport(monkeypatch, n, left):
+    """The same with a workspace: the halo through the peer transport's gather with a reach of 1,
+    or a window of a chunk or more through its gather with the window's reach (emulated on XLA's
+    collectives, the rows out of reach zeros)."""
     fake = _FakeCudnnPrimitives()
     monkeypatch.setattr(kernels.cudnn, "binds", lambda: (fake, {}))
     monkeypatch.setattr(kernels.cudnn, "max_head_dim", lambda: 256)
     peer_calls_on_xla(monkeypatch)
     _check(
         n, heads="gqa", dtype=jnp.float16, chunk=8, batch=2, implementation="cudnn",
-        local_window_size=(6, 0), workspace=workspace_spec(n),
+        local_window_size=(left, 0), workspace=workspace_spec(n),
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(local_window_size=8),  # a chunk: the halo would not be the keys before one chunk
         dict(local_window_size=3, is_causal=False),
         dict(local_window_size=(2, 0), segment_ids=np.zeros((1, 16), np.int32)),
     ],
-    ids=["a_chunk", "two_sided", "documents"],
+    ids=["two_sided", "documents"],
 )
 def test_cudnn_refuses_a_window_it_cannot_take(monkeypatch, kw):
     monkeypatch.setattr(kernels.cudnn, "binds", lambda: (_FakeCudnnPrimitives(), {}))
@@ -283,8 +310,7 @@ def test_cudnn_refuses_a_window_it_cannot_take(monkeypatch, kw):
     x = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.bfloat16)
     args = (x, x, x) + (() if ids is None else (jax.ShapeDtypeStruct((1, 32), jnp.int32),))
     expected = (
-        "implementation='cudnn' takes no documents (segment_ids), and a local window only with "
-        "is_causal=True and a left side smaller than a chunk"
+        "implementation='cudnn' takes no documents (segment_ids), and a local window only with is_causal=True"
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         mesh = cp_mesh(2)

@@ -139,7 +139,7 @@ def _plan_visible_pairs(seq, n, rank, window, documents, transfer):
     ids = to_cp_layout(bench.document_ids(seq, documents), n)[:, rank * local : (rank + 1) * local]
     options, words = layer.prepare(
         q, q, q, scale=None, is_causal=True, segment_ids=ids, local_window_size=window,
-        implementation="xla", head_groups=1, num_ranks=n,
+        implementation="xla", head_groups=1,
     )  # fmt: skip
     cfg = layer.schedule_config(options, n, transfer, transfer_when_alone=False)
     if words is not None and cfg.plan.gathers_ids:

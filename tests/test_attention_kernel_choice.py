@@ -37,6 +37,40 @@ def test_none_picks_the_pallas_kernels_for_masked_calls_where_they_run_and_xla_e
     assert layer._choose_implementation(None, jnp.float32, 64, True) == "xla"
 
 
+@pytest.mark.parametrize(
+    "kw, want",
+    [
+        (dict(local_window_size=3), "cudnn"),  # under a chunk (4 of the rank's 8 tokens)
+        (dict(local_window_size=100), "cudnn"),  # past the whole sequence
+        (dict(local_window_size=(3, 2), is_causal=False), "xla"),  # two-sided
+        (dict(local_window_size=3, segment_ids=np.zeros((1, 8), np.int32)), "xla"),  # documents
+    ],
+    ids=["causal_short", "causal_wide", "two_sided", "documents"],
+)
+def test_none_off_hopper_takes_cudnn_for_any_causal_window(monkeypatch, kw, want):
+    """Where cuDNN runs and the Pallas kernels do not (a GPU other than Hopper), a causal window
+    of any length without documents goes to cuDNN's plain calls, anything else masked to XLA."""
+    if kernels.mosaic.refuses(jnp.bfloat16, 64) is None:
+        pytest.skip("this machine has a Hopper GPU: None takes the Pallas kernels")
+    runs = lambda dtype, head_dim: None
+    monkeypatch.setattr(
+        kernels,
+        "KERNELS",
+        tuple(dataclasses.replace(k, refuses=runs) if k.name == "cudnn" else k for k in kernels.KERNELS),
+    )
+    q = _query()
+    options, _ = layer.prepare(
+        q,
+        q,
+        q,
+        scale=None,
+        **{"is_causal": True, "segment_ids": None, **kw},
+        implementation=None,
+        head_groups=1,
+    )
+    assert options.impl == want
+
+
 def test_cudnn_comes_before_the_pallas_kernels_for_plain_calls():
     names = [k.name for k in kernels.KERNELS if k.by_default]
     assert names.index("cudnn") < names.index("mosaic") < names.index("xla")

@@ -452,8 +452,8 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
         (
             {"implementation": "cudnn", "dtype": jnp.bfloat16},
             "implementation='cudnn' takes no documents (segment_ids), and a local window only with "
-            "is_causal=True and a left side smaller than a chunk (T/2 tokens of the rank's T; any left "
-            "side at R = 1); use implementation='mosaic' (on sm_90 GPUs) or 'xla' (or None)",
+            "is_causal=True (a left side only; any length); use implementation='mosaic' (on sm_90 "
+            "GPUs) or 'xla' (or None)",
         ),
         (
             {"implementation": "flash"},
@@ -465,19 +465,6 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
 def test_bad_input_is_a_value_error(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _trace(**kw)
-
-
-def test_cudnn_with_a_window_of_a_chunk_is_a_value_error():
-    """A left side of a whole chunk (4 of a rank's 8 tokens): not the keys before one chunk."""
-    spec = jax.sharding.PartitionSpec(None, "cp")
-    body = lambda q, k, v: cpg.dot_product_attention(
-        q, k, v, axis_name="cp", local_window_size=4, implementation="cudnn"
-    )
-    x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.bfloat16)
-    with pytest.raises(
-        ValueError, match=re.escape("a local window only with is_causal=True and a left side smaller")
-    ):
-        jax.jit(jax.shard_map(body, mesh=cp_mesh(2), in_specs=spec, out_specs=spec)).trace(x, x, x)
 
 
 def test_segment_ids_that_are_not_an_array():

@@ -98,15 +98,13 @@ def test_head_groups_pipeline_each_transfer_beside_the_previous_groups_work(prot
     assert _lowered_targets(ws, remat, causal, head_groups=2) == forward + recomputed + backward
 
 
-@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
-def test_a_causal_window_on_cudnn_runs_the_diagonal_blocks_beside_the_halo(protocol, suffix):
-    """implementation='cudnn' with a causal window shorter than a chunk (5 of 8 tokens): the
-    diagonal blocks with cuDNN's sliding window of 6 run between the halo's start and its done
-    (a gather with a reach of 1), the halo call (no window) after it; in the backward the halo
-    call's backward, the return's start, the diagonal blocks' backward, the done."""
+def _cudnn_window_calls(protocol: str, left: int) -> list[tuple[str, str]]:
+    """The custom calls of the layer's forward and backward with implementation='cudnn' and a
+    causal window of ``left`` (R = 4, chunks of 8 tokens, an overlapped workspace), in program
+    order: (target, cuDNN's sliding window length, or the transfer's reach)."""
     ws = workspace_spec(4, protocol=protocol, overlap=True)
     layer = lambda q, k, v: cpg.dot_product_attention(
-        q, k, v, axis_name="cp", workspace=ws, implementation="cudnn", local_window_size=(5, 0)
+        q, k, v, axis_name="cp", workspace=ws, implementation="cudnn", local_window_size=(left, 0)
     )
     calls = []
     for line in _lowered_grad(layer).splitlines():
@@ -115,10 +113,35 @@ def test_a_causal_window_on_cudnn_runs_the_diagonal_blocks_beside_the_halo(proto
             window = re.search(r"sliding_window_length\\22: (\d+)", line)
             reach = re.search(r"reach = (\d+)", line)
             calls.append((target.group(1), (window or reach).group(1)))
+    return calls
+
+
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+def test_a_causal_window_on_cudnn_runs_the_diagonal_blocks_beside_the_halo(protocol, suffix):
+    """implementation='cudnn' with a causal window shorter than a chunk (5 of 8 tokens): the
+    diagonal blocks with cuDNN's sliding window of 6 run between the halo's start and its done
+    (a gather with a reach of 1), the halo call (no window) after it; in the backward the halo
+    call's backward, the return's start, the diagonal blocks' backward, the done."""
+    calls = _cudnn_window_calls(protocol, left=5)
     gather, back, done = _transfer_targets(suffix)
     assert calls == [
         (gather, "1"), (FWD, "6"), (done, "1"), (FWD, "0"),
         (BWD, "0"), (back, "1"), (BWD, "6"), (done, "1"),
+    ], calls  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol,suffix", [("memop", ""), ("device", "_device")])
+def test_a_wide_causal_window_on_cudnn_gathers_only_its_reach_beside_the_diagonal_blocks(protocol, suffix):
+    """implementation='cudnn' with a causal window of more than a chunk (13 of 8 tokens): the
+    gather of the ranks within its reach (2) with the diagonal blocks (causal, no window)
+    between its start and its done, then the keys just before each chunk (a whole call) and
+    the band before them (a causal call); in the backward the two remote calls' backward, the
+    return's start, the diagonal blocks' backward, the done."""
+    calls = _cudnn_window_calls(protocol, left=13)
+    gather, back, done = _transfer_targets(suffix)
+    assert calls == [
+        (gather, "2"), (FWD, "0"), (done, "2"), (FWD, "0"), (FWD, "0"),
+        (BWD, "0"), (BWD, "0"), (back, "2"), (BWD, "0"), (done, "2"),
     ], calls  # fmt: skip
 
 

@@ -95,7 +95,8 @@ def test_cudnn_windows_n1_device_protocol(gpu):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_cudnn_windows_ranks_sharing_one_gpu(gpu, n):
-    """A causal window through cuDNN's plain calls with the halo on the peer transport (cuDNN's
+    """Causal windows through cuDNN's plain calls, the halo (or, for a window of a chunk or more,
+    the gather of the ranks within its reach) on the peer transport (cuDNN's
     dQ atomics: two runs compared within a tolerance, as test_layer_ranks_sharing_one_gpu)."""
     _launched(["cudnn_windows"], n)
 

@@ -124,7 +124,6 @@ def rank_without_transfer(
     options, words = layer.prepare(
         query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
         local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
-        num_ranks=num_ranks,
     )  # fmt: skip
     cfg = layer.schedule_config(options, num_ranks, stand_in, transfer_when_alone=False)
     return schedule.attention(cfg, query, key, value, rank, words)

@@ -17,7 +17,7 @@ from .. import api
 from . import kernels, schedule
 from .kernels.contract import PLAIN_WINDOWS
 from .masks import normalize_window
-from .plan import RankPlan, id_words
+from .plan import RankPlan, id_words, plain_window
 from .transfer import OnMeshAxis
 
 _FLOAT_DTYPES = tuple(jnp.dtype(d) for d in api.FLOAT_DTYPES)
@@ -102,20 +102,11 @@ def _check_segment_ids(segment_ids, query):
     return id_words(segment_ids)
 
 
-def _plain_window(window, is_causal: bool, documents: bool, local_len: int, num_ranks: int) -> bool:
-    """Whether the mask is a window that plain calls with a left window can run
-    (``contract.PLAIN_WINDOWS``): causal, no documents, its left side smaller than a chunk (half
-    the rank's ``local_len`` tokens) or any at R = 1."""
-    if window is None or not is_causal or documents:
-        return False
-    return num_ranks == 1 or window[0] < local_len // 2
-
-
 def _choose_implementation(
     implementation, dtype, head_dim: int, masked: bool, plain_window: bool = False
 ) -> str:
     """The kernel to run: ``implementation``, checked, or for None the first kernel of
-    ``kernels.choice_order`` that can run these inputs (``plain_window``: see ``_plain_window``)."""
+    ``kernels.choice_order`` that can run these inputs (``plain_window``: ``plan.plain_window``)."""
     if implementation is None:
         for kernel in kernels.choice_order(masked):
             if kernel.by_default and kernel.why_not(dtype, head_dim, masked, plain_window) is None:
@@ -154,12 +145,10 @@ def prepare(
     local_window_size,
     implementation,
     head_groups,
-    num_ranks: int | None = None,
-    axis_name: str | None = None,
 ) -> tuple[Options, jax.Array | None]:
-    """Every check of the arrays and options for a rank of ``num_ranks``, or of the mesh axis
-    ``axis_name`` (looked up once the arguments are checked: outside ``shard_map`` a bad argument
-    is named first): (the options, the segment ids as int32 words or None)."""
+    """Every check of the arrays and options (none needs the mesh axis: outside ``shard_map`` a
+    bad argument is named before the unbound axis): (the options, the segment ids as int32 words
+    or None)."""
     _check_shapes(query, key, value)
     if not isinstance(is_causal, (bool, np.bool_)):
         shown = repr(is_causal) if isinstance(is_causal, (str, int, float)) else type(is_causal).__name__
@@ -178,12 +167,9 @@ def prepare(
         raise ValueError(
             f"{_NAME}: scale must be a Python or numpy number (static), got {type(scale).__name__}"
         )
-    if num_ranks is None:
-        assert axis_name is not None, "prepare: pass num_ranks or axis_name"
-        num_ranks = api.axis_size(axis_name, "dot_product_attention")
     masked = words is not None or window is not None
-    plain_window = _plain_window(window, bool(is_causal), words is not None, query.shape[1], num_ranks)
-    impl = _choose_implementation(implementation, query.dtype, head_dim, masked, plain_window)
+    plain = plain_window(window, bool(is_causal), words is not None)
+    impl = _choose_implementation(implementation, query.dtype, head_dim, masked, plain)
     options = Options(float(scale), impl, bool(is_causal), window, words is not None, int(head_groups))
     return options, words
 
@@ -277,9 +263,10 @@ def dot_product_attention(
         (``jax.nn.dot_product_attention``'s None means XLA). ``"mosaic"``: the project's own
         Pallas Mosaic GPU kernels (bfloat16/float16, head dims 64 and 128, Hopper GPUs only),
         every mask in one call per part, deterministic. ``"cudnn"`` takes no documents, and a
-        window only with ``is_causal=True`` and a left side smaller than a chunk (any at R = 1):
-        the diagonal blocks with its sliding window, the halo's edge rows as causal calls on
-        reversed rows and keys. XLA's masked calls visit only the tiles the mask needs once they
+        window only with ``is_causal=True``, as plain calls: under a chunk the diagonal blocks
+        with its sliding window and the halo's edge rows as causal calls on reversed rows and
+        keys; from a chunk on the diagonal blocks causal, the keys before each chunk whole and
+        the band before those reversed. XLA's masked calls visit only the tiles the mask needs once they
         are large (``jax_cpgrad/attention/blockwise.py``). The softmax and the merge of the parts
         run in float32 in all.
       head_groups: pipeline the transfer over this many groups of key/value heads (it must
@@ -333,7 +320,6 @@ def attention(
     options, words = prepare(
         query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
         local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
-        axis_name=axis_name,
     )  # fmt: skip
     num_ranks = api.axis_size(axis_name, "dot_product_attention")
     spec = api.spec_of(workspace, "dot_product_attention")

@@ -49,7 +49,7 @@ ids, ``masks.py``):
   query can see).
 
 Plain calls with a causal window (``plain_windows``: a kernel whose plain calls take a left
-window, cuDNN's sliding window; a causal window of left < c, no documents):
+window, cuDNN's sliding window; a causal window, no documents). Of left < c:
 
 - local: the diagonal blocks (``fold``, as plain causal) with the window (``Call.window``);
 - remote (the halo): each chunk's first ``left`` queries (the edge rows, folded into the batch)
@@ -58,6 +58,18 @@ window, cuDNN's sliding window; a causal window of left < c, no documents):
   its own dK/dV: ``own_key_grads``). Query i of an edge sees key j of its halo when j >= i: causal
   once both the rows and the keys are reversed (``edges_fold`` rows, ``halo_fold`` keys). Rank
   0's first chunk has no halo (a key count of 0).
+
+Of left >= c (the keys from the gathered K/V in natural order: the gather of the ranks within
+the window's reach, ``window_reach``; on XLA's collectives all of them, the chunk-only transfer
+being for masked calls):
+
+- local: the diagonal blocks, plain causal (the window reaches past each one's start);
+- remote: for each chunk j (folded into the batch) the ``left - c`` keys just before it, which
+  every query of the chunk sees (a plain call, ``before`` keys), and the ``c`` keys before those
+  (a band: query i sees key k of them when k >= i, causal once the rows and the keys are
+  reversed). Each span is read in reverse order, so the keys that exist (position >= 0) come
+  first and ``kv_len`` cuts off the rest; their gradients go back to the gathered rows' places,
+  the two chunks' spans added in float32 where they overlap. For left == c the band alone.
 
 At R = 1 the local part is the whole attention (the local layout is the natural order) and there
 is no remote part, unless ``transfer_when_alone`` (plain causal calls only: the tests' and
@@ -89,7 +101,9 @@ Rows = Literal["all", "fold", "far", "edges", "edges_fold"]
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
 # (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``); or the halo's two
 # slots before the chunks, folded and reversed (a plain window's halo call, ``_halo_keys``).
-Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved", "halo_fold"]
+# Or, for each of the rank's chunks (folded into the batch), a span of the gathered keys just
+# before it, reversed (``Call.key_span``: a plain window of a chunk or more).
+Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved", "halo_fold", "before"]
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +119,10 @@ class Call:
     vis: Visibility | None = None
     edges: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=dict(static=True))
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # ``before`` keys: (a, n, c), the n keys at global positions jc - a .. jc - a + n - 1 of
+    # each query chunk j (of c tokens), in reverse order (those before position 0 last, cut
+    # off by ``kv_len``).
+    key_span: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +130,12 @@ class Call:
 class Calls:
     local: tuple[Call, ...]
     remote: tuple[Call, ...]
+
+
+def plain_window(window, causal: bool, documents: bool) -> bool:
+    """Whether the mask is a window that a kernel's plain calls with a left window can run
+    (``contract.PLAIN_WINDOWS``): a causal window, any left side, no documents."""
+    return window is not None and causal and not documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +151,13 @@ class RankPlan:
     # The transfer can move a wide window's chunks alone (``window_chunks.py``; XLA's permutes):
     # else such a window gathers all K/V.
     moves_window_chunks: bool = False
-    # The kernel's plain calls take a causal left window (cuDNN): such a window runs as plain
-    # calls (the layer's choice checked that it is shorter than a chunk, or R = 1).
+    # The kernel's plain calls take a causal left window (cuDNN): a causal window without
+    # documents runs as plain calls (``plain_window``).
     plain_windows: bool = False
 
     @property
     def window_as_plain(self) -> bool:
-        return self.plain_windows and self.causal and self.window is not None and not self.documents
+        return self.plain_windows and plain_window(self.window, self.causal, self.documents)
 
     @property
     def masked(self) -> bool:
@@ -165,8 +189,8 @@ class RankPlan:
         """The slots of a window with a side of a chunk or more whose chunks travel alone (a
         transfer that moves them, and fewer than all other chunks needed); None otherwise."""
         sides = self._window_sides()
-        if sides is None or not self.moves_window_chunks:
-            return None
+        if sides is None or not self.moves_window_chunks or self.window_as_plain:
+            return None  # a plain window's calls read the gathered keys in natural order
         return window_chunks.layout(self.num_ranks, chunk_len, *sides)
 
     def window_reach(self, chunk_len: int) -> int:
@@ -223,7 +247,8 @@ class RankPlan:
         if not self.has_remote:  # R = 1 (the natural order), or a window of 0 (each query itself)
             return Calls((Call("all", "own", causal=True, window=left),), ())
         c = q.shape[1] // 2
-        assert left < c, (left, c)
+        if left >= c:
+            return self._band_window_calls(q, rank)
         local = Call("fold", "own_fold", causal=True, window=left)
         has_halo = jnp.stack([jnp.where(jnp.asarray(rank) > 0, left, 0), jnp.asarray(left)]).astype(I32)
         halo_call = Call(
@@ -231,6 +256,24 @@ class RankPlan:
             edges=edge_rows(c, left, 0),
         )  # fmt: skip
         return Calls((local,), (halo_call,))
+
+    def _band_window_calls(self, q, rank) -> Calls:
+        """A causal window of left >= c as plain calls (the module's third list, wide windows)."""
+        left, c, b = self.mask.left, q.shape[1] // 2, q.shape[0]
+        assert left is not None and left >= c
+        starts = self._span_starts(c, rank)
+
+        def before(a: int, n: int, **kw) -> Call:
+            """The call of each chunk's n keys from jc - a on; those that exist (position >= 0)
+            come first in the reversed span, so ``kv_len`` keeps them alone."""
+            kv_len = jnp.tile(n - jnp.clip(a - starts, 0, n), b)
+            return Call(keys="before", kv_len=kv_len, key_span=(a, n, c), **kw)
+
+        local = (Call("fold", "own_fold", causal=True),)  # the whole diagonal block: left >= c
+        band = before(left, c, rows="edges_fold", causal=True)
+        if left == c:
+            return Calls(local, (band,))
+        return Calls(local, (before(left - c, left - c, rows="fold"), band))
 
     def _masked_calls(self, c: int, rank, words) -> Calls:
         mask, q_pos = self.mask, self._own_positions(c, rank)
@@ -361,6 +404,8 @@ class RankPlan:
             return own if call.keys == "own" else gathered
         if call.keys == "halo_fold":
             return _flip(self._halo_keys(own, gathered, rank))
+        if call.keys == "before":
+            return fold(jnp.take(gathered, self._span_positions(call, rank), axis=1))
         if call.keys == "own_fold":
             return fold(own)
         if call.keys == "gathered_fold":
@@ -377,6 +422,8 @@ class RankPlan:
             g = _entries(_flip(g))
             second = jnp.where(self._touching(rank), jnp.zeros_like(g[:, 1]), g[:, 1])
             return unfold(_pair_up(g[:, 0], second))
+        if call.keys == "before":
+            return self._spread_spans(call, g, rank)
         if call.keys == "first_half":
             return _on_first_half(g)
         return self._spread(g, rank) if call.keys == "others" else g
@@ -400,6 +447,32 @@ class RankPlan:
         c, left = own.shape[1] // 2, halo.shape[2]
         second = jnp.where(self._touching(rank), own[:, c - left : c], halo[:, 1])
         return _pair_up(halo[:, 0], second)
+
+    def _span_starts(self, c: int, rank):
+        """int32 [2]: the first positions jc of the rank's two chunks."""
+        return jnp.stack([rank * c, (2 * self.num_ranks - 1 - rank) * c]).astype(I32)
+
+    def _span_positions(self, call: Call, rank):
+        """int32 [2n]: the ``before`` keys' gathered rows for the rank's two chunks, each span in
+        reverse order (positions before 0 clipped to 0: rows past ``kv_len``, never seen)."""
+        a, n, c = call.key_span
+        positions = self._span_starts(c, rank)[:, None] - a + jnp.arange(n - 1, -1, -1, dtype=I32)
+        return jnp.maximum(positions, 0).reshape(-1)
+
+    def _spread_spans(self, call: Call, g, rank):
+        """A ``before`` call's key gradients ``[2B, n, ...]`` as float32 over the gathered
+        ``[B, S, ...]``: each span's rows placed at its positions (those before 0 dropped), the
+        two chunks' spans added where they overlap (a window longer than the gap between the
+        rank's chunks), zero elsewhere. Placed with slices, not a scatter: deterministic."""
+        a, n, c = call.key_span
+        entries = _entries(_flip(g)).astype(F32)  # [B, 2, n, ...], positions increasing
+        b, s = entries.shape[0], 2 * self.num_ranks * c
+        zeros = jnp.zeros((b, a + s, *entries.shape[3:]), F32)  # a rows before position 0
+        starts = self._span_starts(c, rank)  # span i starts at jc - a: row jc of the padded rows
+        first, second = (
+            jax.lax.dynamic_update_slice_in_dim(zeros, entries[:, i], starts[i], 1) for i in (0, 1)
+        )
+        return (first + second)[:, a:]
 
     def _touching(self, rank):
         """Whether the rank's two chunks touch (rank R-1: chunks R-1 and R)."""

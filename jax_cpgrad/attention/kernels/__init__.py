@@ -1,7 +1,7 @@
 """The attention kernels the layer can call, behind one contract (``contract.py``).
 
 - ``cudnn.py``: jax's private cuDNN flash-attention primitives, plain calls (causal or full, and
-  causal with a left window: the layer's windows shorter than a chunk, ``plan.py``);
+  causal with a left window: the layer's causal windows, ``plan.py``);
 - ``xla.py``: plain jnp, every mask, any dtype and platform (the reference, the CPU tests); masked
   calls of more than :data:`DENSE_SCORES_MAX` scores per head take ``blockwise.py`` instead, which
   visits only the tiles a Visibility needs and never holds the whole score matrix;

@@ -41,10 +41,7 @@ from typing import Any
 from ..masks import Visibility
 
 # Which windows plain calls with ``window=`` can run, in messages.
-PLAIN_WINDOWS = (
-    "with is_causal=True and a left side smaller than a chunk (T/2 tokens of the rank's T; any "
-    "left side at R = 1)"
-)
+PLAIN_WINDOWS = "with is_causal=True (a left side only; any length)"
 
 
 def _anything(dtype, head_dim: int) -> str | None:
@@ -68,7 +65,7 @@ class Kernel:
     # Taken by implementation=None (where it can run); False: only when asked for by name.
     by_default: bool = True
     # Plain causal calls take a left window (``window=``): the layer then runs a causal window
-    # shorter than a chunk without masks (``plan.RankPlan.plain_windows``).
+    # without masks (``plan.RankPlan.plain_windows``).
     plain_windows: bool = False
 
     @property
@@ -77,8 +74,8 @@ class Kernel:
 
     def takes(self, masked: bool, plain_window: bool = False) -> bool:
         """Whether it can express the mask: ``masked`` (documents or a window), of which
-        ``plain_window`` says whether it is a window that plain calls can run (a causal window
-        shorter than a chunk, no documents: ``layer._plain_window``)."""
+        ``plain_window`` says whether it is a window that plain calls can run (a causal window, no
+        documents: ``plan.plain_window``)."""
         return not masked or self.takes_masks or (plain_window and self.plain_windows)
 
     def why_not(self, dtype, head_dim: int, masked: bool, plain_window: bool = False) -> str | None:

@@ -3,11 +3,12 @@ masked calls only, which express every mask the layer has (any causal offset, wi
 documents), so plain causal or full attention runs as masked calls too (``plan.RankPlan``'s
 ``plain_as_masked``); bfloat16/float16, head dims 64 and 128, Hopper GPUs (sm_90).
 
-``implementation=None`` takes it for documents and windows on sm_90 (cuDNN expresses neither
-documents nor windows but causal ones under a chunk, where its plain calls were within 3% of
-ours per rank on an H200 without ours' same bits every run; it is many times faster than the
-masked XLA kernel); plain causal or full calls stay with cuDNN, whose backward is faster than
-ours (benchmarks/results/README.md, findings 11 and 13).
+``implementation=None`` takes it for documents and windows on sm_90: the same bits every run
+with no XLA flag, and many times faster than the masked XLA kernel. cuDNN expresses no documents
+and no two-sided windows; for causal windows its plain calls were within 3% of ours per rank on
+an H200 at a window of 512 and took 0.79-0.83 of ours' time at 4096 (without the same bits every
+run: ``implementation="cudnn"`` asks for them). Plain causal or full calls stay with cuDNN, whose
+backward is faster than ours (benchmarks/results/README.md, findings 11 and 13).
 """
 
 from __future__ import annotations
