@@ -325,9 +325,7 @@ class RankPlan:
 
     def _own_positions(self, c: int, rank):
         """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
-        first = jnp.asarray(rank, I32) * c
-        second = (2 * self.num_ranks - 1 - jnp.asarray(rank, I32)) * c
-        return jnp.concatenate([first + jnp.arange(c, dtype=I32), second + jnp.arange(c, dtype=I32)])
+        return (self._span_starts(c, rank)[:, None] + jnp.arange(c, dtype=I32)).reshape(-1)
 
     def _paired_lengths(self, q, rank):
         """The paired call's key counts, int32 [2B] (b-major, as ``fold``): chunk r sees rc keys
@@ -448,9 +446,14 @@ class RankPlan:
         second = jnp.where(self._touching(rank), own[:, c - left : c], halo[:, 1])
         return _pair_up(halo[:, 0], second)
 
+    def _own_chunks(self, rank):
+        """int32 [2]: the rank's two global chunks, r and 2R-1-r."""
+        rank = jnp.asarray(rank, I32)
+        return jnp.stack([rank, 2 * self.num_ranks - 1 - rank])
+
     def _span_starts(self, c: int, rank):
         """int32 [2]: the first positions jc of the rank's two chunks."""
-        return jnp.stack([rank * c, (2 * self.num_ranks - 1 - rank) * c]).astype(I32)
+        return self._own_chunks(rank) * c
 
     def _span_positions(self, call: Call, rank):
         """int32 [2n]: the ``before`` keys' gathered rows for the rank's two chunks, each span in
@@ -480,8 +483,7 @@ class RankPlan:
 
     def _own(self, x, rank):
         """The rank's two chunks of ``x [B, S, ...]`` (natural order): [B, 2c, ...]."""
-        chunks = jnp.stack([jnp.asarray(rank, I32), 2 * self.num_ranks - 1 - jnp.asarray(rank, I32)])
-        return self._take_chunks(x, chunks)
+        return self._take_chunks(x, self._own_chunks(rank))
 
     def _others(self, x, rank):
         """The 2R-2 chunks of the other ranks, in order: [B, (2R-2)c, ...]."""
