@@ -548,6 +548,28 @@ def test_register_forms_against_shared_memory_forms(gpu, name, case_names):
         print(f"MOSAIC {group.name} {case.name}: registers vs shared memory: {', '.join(diffs)}", flush=True)
 
 
+@pytest.mark.parametrize("name, case_names", FORMS, ids=[f[0] for f in FORMS])
+def test_one_and_two_backward_consumers_give_the_same_bits(gpu, name, case_names):
+    """A second consumer warpgroup changes which rows (keys) share a program, not the sums: each
+    row's (key's) tiles are visited in the same order, the extra tiles of the wider program adding
+    exact zeros, so the gradients are the same bits."""
+    group = BY_NAME.get(name, GROUPS[0])
+    cases = [c for c in group.cases if c.name in case_names] or list(group.cases[:1])
+    data = group.inputs()
+    fwd, bwd = configs(group.H)
+    assert bwd.consumers == 2, bwd
+    one, two = (ours(fwd, bwd.replace(consumers=n), group.H**-0.5) for n in (1, 2))
+    for case in cases:
+        vis, _ = case.masks_of()
+        got_one, got_two = call(one, *data, vis), call(two, *data, vis)
+        for n, a, b in zip(("dq", "dk", "dv"), got_one[2:], got_two[2:], strict=True):
+            d = float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32))))
+            assert np.array_equal(_bits(a), _bits(b)), (
+                f"{case.name}: {n} differs by {d:.3g} (1 vs 2 consumers)"
+            )
+        print(f"MOSAIC {group.name} {case.name}: 1 and 2 backward consumers bitwise equal", flush=True)
+
+
 # The grid last: the checks above run first in a run cut short.
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.name)
 def test_against_float32(gpu, group):

@@ -132,8 +132,8 @@ def _max_err(a, b):
     return float(jnp.max(jnp.abs(jnp.asarray(a, F32) - jnp.asarray(b, F32))))
 
 
-def _interpret_backward(q, k, v, out, lse, d_out, vis, scale):
-    config = mb.default_config(q.shape[-1], interpret=True)
+def _interpret_backward(q, k, v, out, lse, d_out, vis, scale, consumers=2):
+    config = mb.default_config(q.shape[-1], interpret=True).replace(consumers=consumers)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         return jax.block_until_ready(mb.backward(q, k, v, out, lse, d_out, vis, scale=scale, config=config))
 
@@ -142,8 +142,9 @@ def _interpret_backward(q, k, v, out, lse, d_out, vis, scale):
 
 
 @needs_interpret
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_interpret_matches_reference(name):
+def test_interpret_matches_reference(name, consumers):
     q, k, v, d_out, vis = _inputs(name)
     scale = q.shape[-1] ** -0.5
     out32, exact = _reference_grads(q, k, v, d_out, vis, scale, F32)
@@ -151,7 +152,7 @@ def test_interpret_matches_reference(name):
     lse = _lse(q, k, vis, scale)
     # out in float32: delta = rowsum(d_out * out) is then the reference's (a 16-bit out adds its
     # own rounding to delta, the same for every flash backward: test_interpret_rounded_out).
-    got = _interpret_backward(q, k, v, out32, lse, d_out, vis, scale)
+    got = _interpret_backward(q, k, v, out32, lse, d_out, vis, scale, consumers)
     for what, g, x, r, ref_in in zip(("dq", "dk", "dv"), got, exact, low, (q, k, v), strict=True):
         assert g.dtype == ref_in.dtype and g.shape == ref_in.shape, (what, g.dtype, g.shape)
         assert bool(jnp.all(jnp.isfinite(g.astype(F32)))), what
@@ -246,20 +247,21 @@ def test_config_and_input_checks():
 # -- lowering for CUDA ---------------------------------------------------------------------------
 
 
-def _export(name: str, head_dim: int, operands_via_smem: bool):
+def _export(name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2):
     q, k, v, d_out, vis = _inputs(name, head_dim)
     lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
-    config = mb.default_config(head_dim, interpret=operands_via_smem)
+    config = mb.default_config(head_dim, interpret=operands_via_smem).replace(consumers=consumers)
     f = lambda *a: mb.backward(*a, scale=head_dim**-0.5, config=config)
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (q, k, v, q, lse, d_out, vis))
     return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
 
 
 @needs_cuda_lowering
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", list(CASES))
-def test_lowers_for_cuda(name, head_dim):
-    exported = _export(name, head_dim, operands_via_smem=False)
+def test_lowers_for_cuda(name, head_dim, consumers):
+    exported = _export(name, head_dim, operands_via_smem=False, consumers=consumers)
     text = exported.mlir_module()
     calls = re.findall(r"custom_call @(mosaic_gpu\w*)", text)
     assert len(calls) == 2, calls  # the dQ kernel and the dK/dV kernel
@@ -269,7 +271,10 @@ def test_lowers_for_cuda(name, head_dim):
 
 
 @needs_cuda_lowering
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_interpret_form_lowers_for_cuda(head_dim):
-    text = _export("documents_causal_gqa4", head_dim, operands_via_smem=True).mlir_module()
+def test_interpret_form_lowers_for_cuda(head_dim, consumers):
+    text = _export(
+        "documents_causal_gqa4", head_dim, operands_via_smem=True, consumers=consumers
+    ).mlir_module()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2

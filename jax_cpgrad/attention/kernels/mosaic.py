@@ -5,8 +5,8 @@ documents), so plain causal or full attention runs as masked calls too (``plan.R
 
 ``implementation=None`` takes it for documents and windows on sm_90: the same bits every run
 with no XLA flag, and many times faster than the masked XLA kernel. cuDNN expresses no documents
-and no two-sided windows; for causal windows its plain calls were within 3% of ours per rank on
-an H200 at a window of 512 and took 0.79-0.83 of ours' time at 4096 (without the same bits every
+and no two-sided windows; for causal windows ours took 0.84-0.90 of its plain calls' time per
+rank on an H200 at a window of 512 and 1.00-1.05x at 4096 (cuDNN's without the same bits every
 run: ``implementation="cudnn"`` asks for them). Plain causal or full calls stay with cuDNN, whose
 backward is faster than ours (benchmarks/results/README.md, findings 11 and 13).
 """

@@ -13,30 +13,40 @@ intervals (``masks.Visibility``) into, for each outer tile, the inner tiles it v
 ``[row_lo[t], row_hi[t])``, key l is seen by queries ``[col_lo[l], col_hi[l])``) is applied
 only outside the unmasked range. Programs are launched heaviest tile first (``order``).
 
-- **dQ** (``_dq_kernel``): one program per (query tile, query head, batch entry), over the key
-  tiles of the row plan: S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-- **dK/dV** (``_dkv_kernel``): one program per (key tile, KV head, batch entry), over the G = N/K
-  query heads of that KV head and the query tiles of the column plan, in the transposed
-  orientation: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. GQA is summed in the
-  float32 accumulators, in a fixed order: no atomics, bitwise deterministic.
+- **dQ** (``_dq_kernel``): one program per (query tile of ``consumers * block_q`` rows, query
+  head, batch entry), over the key tiles of the row plan: S = Q K^T, dP = dO V^T,
+  dS = P (dP - delta), dQ += dS K.
+- **dK/dV** (``_dkv_kernel``): one program per (key tile of ``consumers * block_k`` keys, KV
+  head, batch entry), over the G = N/K query heads of that KV head and the query tiles of the
+  column plan, in the transposed orientation: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+  dK += dS^T Q. GQA is summed in the float32 accumulators, in a fixed order: no atomics,
+  bitwise deterministic.
 
-**Warpgroups.** Each program has two warpgroups (``wg``):
+**Warpgroups.** Each program has ``consumers + 1`` warpgroups (``wg``), two consumers by default:
 
-- wg 1, the *producer*, gives back most of its registers (``set_max_registers(40)``) and only
-  issues TMA copies of the streamed operands (K and V tiles for dQ; Q, dO, lse and delta tiles
-  for dK/dV) into a ring of ``num_stages`` SMEM slots, one "loaded" barrier per slot and
-  operand; before refilling a slot it waits for the slot's "free" barrier, and at the end it
-  waits for the last releases, so that no arrival is left unobserved;
-- wg 0, the *consumer* (240 registers), loads its resident tiles once (Q, dO, lse, delta and the
-  row bounds for dQ; K, V and the column bounds for dK/dV), then per step waits for the slot,
-  issues the two score-side wgmmas together (S and dP), computes P and dS in float32 registers
-  (base 2: ``exp2(s * scale * log2 e - lse2)``, the element mask only on masked tiles), issues
-  the accumulating wgmma(s), waits for them and frees the slot.
+- the last, the *producer*, gives back most of its registers (24 with two consumers, 40 with
+  one: ``BackwardConfig.registers``) and only issues TMA copies of the streamed operands (K and
+  V tiles for dQ; Q, dO, lse and delta tiles for dK/dV) into a ring of ``num_stages`` SMEM
+  slots, one "loaded" barrier per slot and operand; before refilling a slot it waits for the
+  slot's "free" barrier (released by every consumer), and at the end it waits for the last
+  releases, so that no arrival is left unobserved;
+- each *consumer* (240 registers) owns ``block_q`` rows (dQ) or ``block_k`` keys (dK/dV) of the
+  program's tile and loads its resident tiles once (Q, dO, lse, delta and the row bounds for
+  dQ; K, V and the column bounds for dK/dV), then per step waits for the slot, issues the two
+  score-side wgmmas together (S and dP), computes P and dS in float32 registers (base 2:
+  ``exp2(s * scale * log2 e - lse2)``, the element mask only on masked tiles), issues the
+  accumulating wgmma(s), waits for them and frees the slot.
 
-Why: the loads of the next ``num_stages - 1`` steps overlap the math of this one without the
+Why: the loads of the next ``num_stages - 1`` steps overlap the math of this one without a
 consumer ever issuing a copy or waiting on a copy it issued, and the loop bounds (read from the
-plan in GMEM by both warpgroups) can be dynamic. The accumulators (dQ; dK and dV) are wgmma
-accumulator refs that live across the whole loop, so the float32 sums never leave registers.
+plan in GMEM by every warpgroup) can be dynamic. Two consumers share each streamed tile (half
+the loads per row or key) and keep the tensor cores busy while the other computes P and dS:
+on an H200 they took the backward from 1.45x cuDNN's time to 1.09x at 16k (causal, head dim
+128; ``benchmarks/results/README.md``, finding 11). The plan is per program, so a consumer may
+visit a tile that only its sibling's rows see; its P there is exactly 0, and each row's (key's)
+sums run over the same tiles in the same order: one consumer and two give the same bits (a GPU
+test). The accumulators (dQ; dK and dV) are wgmma accumulator refs that live across the whole
+loop, so the float32 sums never leave registers.
 
 **Operands in registers or through SMEM** (``BackwardConfig.operands_via_smem``): on the GPU the
 16-bit dS (and P^T, dS^T) are wgmma A operands straight from registers. GPU interpret mode
@@ -48,13 +58,13 @@ first (``commit_smem`` fences the stores for the async proxy). The arithmetic is
 dK/dV and dQ together (5 matmuls per tile pair instead of our 3 + 4), adding dQ into a float32
 global buffer with atomics (a separate warp does the TMA reduce-add) and converting it in a
 post-kernel, with GQA dK/dV also summed by atomics unless run in its slower deterministic mode.
-It uses two consumer warpgroups (M = 128 rows per program) and overlaps the softmax of one with
-the wgmmas of the other. We pay about 40% more matmul work for determinism, no float32
-global dQ buffer and no atomics, and for a mask-aware tile range in each direction; the one
-consumer warpgroup (64-row tiles by default) is the simple first step. Measured on an H200
-(``benchmarks/results/README.md``, finding 11): 1.36-1.51x cuDNN's default backward time at
-8k-64k, at about its rate per matmul, and 1.03x its deterministic backward at 16k. The way to
-cuDNN's speed is dQ summed inside the dK/dV kernel in a fixed order.
+It uses two consumer warpgroups (M = 128 rows per program), as we do, and overlaps the softmax of
+one with the wgmmas of the other by explicit turns, which we do not. We pay about 40% more matmul
+work for determinism, no float32 global dQ buffer and no atomics, and for a mask-aware tile range
+in each direction. Measured on an H200 (2026-12-03, ``benchmarks/results/README.md``, finding 11):
+1.09-1.12x cuDNN's default backward time at 16k-64k at head dim 128 (1.13-1.14x at head dim
+64): 7 matmuls per tile pair to its 5 in 1.1x the time. The rest of the way is dQ summed inside
+the dK/dV kernel in a fixed order, or ping-pong turns.
 
 Shapes: q ``[B, T, N, H]``, k/v ``[B, L, K, H]``, lse ``[B, N, T]`` float32 natural log.
 """
@@ -93,6 +103,9 @@ class BackwardConfig:
     - ``block_q``: query rows of a dQ program, and of a dK/dV step (a multiple of 64);
     - ``block_k``: key rows of a dQ step, and of a dK/dV program (a multiple of 64);
     - ``num_stages``: slots of the shared-memory ring of streamed tiles (>= 2);
+    - ``consumers``: consumer warpgroups per program (1 or 2), each with its own ``block_q`` query
+      rows (dQ) or ``block_k`` keys (dK/dV), sharing every streamed tile the producer loads; a
+      program's tile is ``consumers`` times the block;
     - ``operands_via_smem``: dS (dQ) and P^T, dS^T (dK/dV) reach their wgmma through shared
       memory instead of as register operands. GPU interpret mode simulates wgmma only with
       operands in memory, so interpret mode needs True; False is what the GPU should run (one
@@ -102,6 +115,7 @@ class BackwardConfig:
     block_q: int = 64
     block_k: int = 64
     num_stages: int = 2
+    consumers: int = 2
     operands_via_smem: bool = False
 
     def __post_init__(self):
@@ -111,14 +125,22 @@ class BackwardConfig:
                 raise ValueError(f"BackwardConfig.{name} must be 64 or 128 (wgmma tiles), got {value!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"BackwardConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"BackwardConfig.consumers must be 1 or 2 warpgroups, got {self.consumers!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of the larger of the two kernels (bytes)."""
-        bq, bk, s = self.block_q, self.block_k, self.num_stages
+        bq, bk, s, c = self.block_q, self.block_k, self.num_stages, self.consumers
         p = (bq * bk if self.operands_via_smem else 0) * itemsize
-        dq = 2 * bq * head_dim * itemsize + 2 * s * bk * head_dim * itemsize + p + 4 * 4 * bq
-        dkv = 2 * (bk + s * bq) * head_dim * itemsize + 2 * p + 4 * (2 * bk + 2 * s * bq)
+        dq = c * (2 * bq * head_dim * itemsize + p + 4 * 4 * bq) + 2 * s * bk * head_dim * itemsize
+        dkv = c * (2 * bk * head_dim * itemsize + 2 * p + 4 * 2 * bk) + s * bq * (2 * head_dim * itemsize + 8)
         return max(dq, dkv)
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """(a consumer's, the producer's) registers per thread. Two consumers and the producer
+        share an SM's 65536 registers: 240 + 240 + 24 = 504 per lane of 128."""
+        return (240, 24) if self.consumers == 2 else (240, 40)
 
     def replace(self, **changes) -> BackwardConfig:
         return dataclasses.replace(self, **changes)
@@ -186,45 +208,52 @@ def _fill_and_drain(fill, steps, free_bars, stages):
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
 
 
-def _load_resident(pairs, barriers):
-    """TMA copies of a program's resident tiles, ``(gmem ref, smem ref)`` pairs, each on its own
-    barrier, all issued before the first wait."""
+def _load_resident(pairs, barriers, wg):
+    """TMA copies of consumer ``wg``'s resident tiles, ``(gmem ref, smem ref)`` pairs, each on its
+    own barrier (``len(pairs)`` a consumer), all issued before the first wait."""
+    first = wg * len(pairs)
     for n, (src, dst) in enumerate(pairs):
-        plgpu.copy_gmem_to_smem(src, dst, barriers.at[n])
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[first + n])
     for n in range(len(pairs)):
-        plgpu.barrier_wait(barriers.at[n])
+        plgpu.barrier_wait(barriers.at[first + n])
 
 
-def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem):
+def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
     lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dq_ref = refs[8:14]
     q_smem, do_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[14:22]
     ds_smem = refs[22] if via_smem else None
     res_bars, k_bars, v_bars, free_bars = refs[22 + via_smem :]
     head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
-    wg = lax.axis_index("wg")
+    wg, consumers = lax.axis_index("wg"), q_smem.shape[0]
     bp = batch if per_batch_plan else 0
     tile = read_scalar(order_ref, bp, i)
     lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
     kv_head = lax.div(head, jnp.int32(groups))
-    rows = pl.ds(tile * block_q, block_q)
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
-    @pl.when(wg == 0)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(240, action="increase")
+        plgpu.set_max_registers(registers[0], action="increase")
+        rows = pl.ds((tile * consumers + wg) * block_q, block_q)  # this consumer's rows
+        q_smem_, do_smem_, ds_smem_ = (
+            q_smem.at[wg],
+            do_smem.at[wg],
+            None if ds_smem is None else ds_smem.at[wg],
+        )
         resident = [
-            (q_ref.at[batch, rows, head], q_smem), (do_ref.at[batch, rows, head], do_smem),
-            (lse_ref.at[batch, head, rows], lse_smem), (delta_ref.at[batch, head, rows], delta_smem),
-            (vlo_ref.at[bp, rows], vlo_smem), (vhi_ref.at[bp, rows], vhi_smem),
+            (q_ref.at[batch, rows, head], q_smem_), (do_ref.at[batch, rows, head], do_smem_),
+            (lse_ref.at[batch, head, rows], lse_smem.at[wg]),
+            (delta_ref.at[batch, head, rows], delta_smem.at[wg]),
+            (vlo_ref.at[bp, rows], vlo_smem.at[wg]), (vhi_ref.at[bp, rows], vhi_smem.at[wg]),
         ]  # fmt: skip
-        _load_resident(resident, res_bars)
+        _load_resident(resident, res_bars, wg)
         shape = (block_q, block_k)
         bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
-        lse = bcast(plgpu.load(lse_smem, layout=wgmma_rows))
-        delta = bcast(plgpu.load(delta_smem, layout=wgmma_rows))
-        vlo = bcast(plgpu.load(vlo_smem, layout=wgmma_rows))
-        vhi = bcast(plgpu.load(vhi_smem, layout=wgmma_rows))
+        lse, delta, vlo, vhi = (
+            bcast(plgpu.load(ref.at[wg], layout=wgmma_rows))
+            for ref in (lse_smem, delta_smem, vlo_smem, vhi_smem)
+        )
         cols = plgpu.broadcasted_iota(I32, shape, 1, layout=plgpu.Layout.WGMMA)
 
         def run(dq_acc):
@@ -233,12 +262,12 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-                s, dp = _matmuls(q_smem, k_tile.T, do_smem, v_tile.T, shape=shape)
+                s, dp = _matmuls(q_smem_, k_tile.T, do_smem_, v_tile.T, shape=shape)
                 p = jnp.exp2(s * F32(scale * LOG2E) - lse)
                 if masked:
                     col = cols + j * block_k
                     p = jnp.where((col >= vlo) & (col < vhi), p, 0.0)
-                ds = _operand(p * (dp - delta), k_tile.dtype, ds_smem)
+                ds = _operand(p * (dp - delta), k_tile.dtype, ds_smem_)
                 plgpu.wgmma(dq_acc, ds, k_tile)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free_bars.at[slot])
@@ -247,14 +276,14 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
             return dq_acc[...]
 
         dq = pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32))
-        q_smem[...] = (dq * F32(scale)).astype(q_smem.dtype)
+        q_smem_[...] = (dq * F32(scale)).astype(q_smem_.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(q_smem_, dq_ref.at[batch, rows, head])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
+    @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(registers[1], action="decrease")
 
         def fill(n, carry):
             slot = lax.rem(n, jnp.int32(stages))
@@ -271,31 +300,37 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
         _fill_and_drain(fill, hi - lo, free_bars, stages)
 
 
-def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem):
+def _dkv_kernel(
+    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers
+):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
     lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dk_ref, dv_ref = refs[8:15]
     k_smem, v_smem, vlo_smem, vhi_smem, q_smem, do_smem, lse_smem, delta_smem = refs[15:23]
     pt_smem, dst_smem = refs[23:25] if via_smem else (None, None)
     res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[23 + 2 * via_smem :]
     kv_head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
-    wg = lax.axis_index("wg")
+    wg, consumers = lax.axis_index("wg"), k_smem.shape[0]
     bp = batch if per_batch_plan else 0
     tile = read_scalar(order_ref, bp, i)
     lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
     n_tiles = hi - lo
-    keys = pl.ds(tile * block_k, block_k)
 
-    @pl.when(wg == 0)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(240, action="increase")
+        plgpu.set_max_registers(registers[0], action="increase")
+        keys = pl.ds((tile * consumers + wg) * block_k, block_k)  # this consumer's keys
+        k_smem_, v_smem_ = k_smem.at[wg], v_smem.at[wg]
+        pt_smem_, dst_smem_ = (None, None) if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         resident = [
-            (k_ref.at[batch, keys, kv_head], k_smem), (v_ref.at[batch, keys, kv_head], v_smem),
-            (vlo_ref.at[bp, keys], vlo_smem), (vhi_ref.at[bp, keys], vhi_smem),
+            (k_ref.at[batch, keys, kv_head], k_smem_), (v_ref.at[batch, keys, kv_head], v_smem_),
+            (vlo_ref.at[bp, keys], vlo_smem.at[wg]), (vhi_ref.at[bp, keys], vhi_smem.at[wg]),
         ]  # fmt: skip
-        _load_resident(resident, res_bars)
+        _load_resident(resident, res_bars, wg)
         shape = (block_k, block_q)
-        vlo = lax.broadcast_in_dim(plgpu.load(vlo_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
-        vhi = lax.broadcast_in_dim(plgpu.load(vhi_smem, layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
+        vlo, vhi = (
+            lax.broadcast_in_dim(plgpu.load(ref.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
+            for ref in (vlo_smem, vhi_smem)
+        )
         qcols = plgpu.broadcasted_iota(I32, shape, 1, layout=plgpu.Layout.WGMMA)
         wgmma_cols = plgpu.Layout.WGMMA.reduce(0)
 
@@ -305,7 +340,7 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
                 q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-                st, dpt = _matmuls(k_smem, q_tile.T, v_smem, do_tile.T, shape=shape)
+                st, dpt = _matmuls(k_smem_, q_tile.T, v_smem_, do_tile.T, shape=shape)
                 plgpu.barrier_wait(lse_bars.at[slot])
                 plgpu.barrier_wait(delta_bars.at[slot])
                 lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=wgmma_cols), shape, [1])
@@ -315,8 +350,8 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
                     qcol = qcols + j * block_q
                     pt = jnp.where((qcol >= vlo) & (qcol < vhi), pt, 0.0)
                 dst = pt * (dpt - delta)
-                plgpu.wgmma(dv_acc, _operand(pt, q_tile.dtype, pt_smem), do_tile)
-                plgpu.wgmma(dk_acc, _operand(dst, q_tile.dtype, dst_smem), q_tile)
+                plgpu.wgmma(dv_acc, _operand(pt, q_tile.dtype, pt_smem_), do_tile)
+                plgpu.wgmma(dk_acc, _operand(dst, q_tile.dtype, dst_smem_), q_tile)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free_bars.at[slot])
 
@@ -329,17 +364,17 @@ def _dkv_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_ba
 
         acc = plgpu.ACC((block_k, head_dim), F32)
         dk, dv = pl.run_scoped(run, acc, acc)
-        k_smem[...] = (dk * F32(scale)).astype(k_smem.dtype)
-        v_smem[...] = dv.astype(v_smem.dtype)
+        k_smem_[...] = (dk * F32(scale)).astype(k_smem_.dtype)
+        v_smem_[...] = dv.astype(v_smem_.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, keys, kv_head], commit_group=False)
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, keys, kv_head], commit_group=False)
+        plgpu.copy_smem_to_gmem(k_smem_, dk_ref.at[batch, keys, kv_head], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem_, dv_ref.at[batch, keys, kv_head], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
+    @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(registers[1], action="decrease")
 
         def fill(n, carry):
             slot = lax.rem(n, jnp.int32(stages))
@@ -407,9 +442,10 @@ def backward(
         config_lib.check_device()
     B, T, N, H = q.shape
     L, K = k.shape[1:3]
-    bq, bk, S = config.block_q, config.block_k, config.num_stages
+    bq, bk, S, C = config.block_q, config.block_k, config.num_stages, config.consumers
     via_smem = config.operands_via_smem
-    Tp, Lp = tile_plan.cdiv(T, bq) * bq, tile_plan.cdiv(L, bk) * bk
+    # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
+    Tp, Lp = tile_plan.cdiv(T, C * bq) * C * bq, tile_plan.cdiv(L, C * bk) * C * bk
     dtype = q.dtype
 
     # delta and the base-2 lse, once in XLA; a row that sees nothing: lse +inf, so P = 0.
@@ -420,35 +456,38 @@ def backward(
     kp, vp = _pad(k, 1, Lp), _pad(v, 1, Lp)
     row_lo, row_hi = (_pad(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
     col_lo, col_hi = (_pad(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
-    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=bq, inner_block=bk, inner_len=Lp)
-    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=bk, inner_block=bq, inner_len=Tp)
+    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=C * bq, inner_block=bk, inner_len=Lp)
+    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=C * bk, inner_block=bq, inner_len=Tp)
     plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)
 
     kw = dict(
         block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
-        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem,
+        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem, registers=config.registers,
     )  # fmt: skip
     transforms = _smem_transforms(dtype)
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
     vec = lambda *shape, dt=F32: plgpu.SMEM(shape, dt)
     bars = lambda n: plgpu.Barrier(num_barriers=n)
+    freed = lambda n: plgpu.Barrier(
+        num_arrivals=C, num_barriers=n
+    )  # a slot is free once every consumer let go
     launch: dict[str, Any] = dict(
-        num_threads=2, thread_name="wg", grid_names=("head", "batch", "tile"),
+        num_threads=C + 1, thread_name="wg", grid_names=("head", "batch", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )  # fmt: skip
 
     # fmt: off
     dq_scratch: list[Any] = [
-        tiles(bq, H), tiles(bq, H), vec(bq), vec(bq), vec(bq, dt=I32), vec(bq, dt=I32),  # resident
+        tiles(C, bq, H), tiles(C, bq, H), vec(C, bq), vec(C, bq), vec(C, bq, dt=I32), vec(C, bq, dt=I32),
         tiles(S, bk, H), tiles(S, bk, H),  # the K/V ring
-        *([tiles(bq, bk)] if via_smem else []),  # dS
-        bars(6), bars(S), bars(S), bars(S),  # resident loaded; K, V loaded; slot free
+        *([tiles(C, bq, bk)] if via_smem else []),  # dS
+        bars(6 * C), bars(S), bars(S), freed(S),  # resident loaded; K, V loaded; slot free
     ]
     dkv_scratch: list[Any] = [
-        tiles(bk, H), tiles(bk, H), vec(bk, dt=I32), vec(bk, dt=I32),  # resident
+        tiles(C, bk, H), tiles(C, bk, H), vec(C, bk, dt=I32), vec(C, bk, dt=I32),  # resident
         tiles(S, bq, H), tiles(S, bq, H), vec(S, bq), vec(S, bq),  # the Q/dO/lse/delta ring
-        *([tiles(bk, bq), tiles(bk, bq)] if via_smem else []),  # P^T, dS^T
-        bars(4), bars(S), bars(S), bars(S), bars(S), bars(S),  # resident; Q, dO, lse, delta; free
+        *([tiles(C, bk, bq), tiles(C, bk, bq)] if via_smem else []),  # P^T, dS^T
+        bars(4 * C), bars(S), bars(S), bars(S), bars(S), freed(S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
     dq_operands = (qp, kp, vp, dop, lse2, delta, row_lo, row_hi, *plan(rows))
@@ -456,7 +495,7 @@ def backward(
         functools.partial(_dq_kernel, **kw),
         out_type=jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
         scratch_types=dq_scratch,
-        grid=(N, B, Tp // bq),
+        grid=(N, B, Tp // (C * bq)),
         **launch,
     )(*dq_operands)
 
@@ -465,7 +504,7 @@ def backward(
         functools.partial(_dkv_kernel, **kw),
         out_type=(jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2,
         scratch_types=dkv_scratch,
-        grid=(K, B, Lp // bk),
+        grid=(K, B, Lp // (C * bk)),
         **launch,
     )(*dkv_operands)
     dq, (dk, dv) = varying_like(dq, dq_operands), varying_like((dk, dv), dkv_operands)
