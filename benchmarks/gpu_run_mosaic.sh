@@ -38,6 +38,8 @@
 #   per_rank_window_kernels: the window of 512 (WINDOW=4096: of 4096, a chunk or more from R = 4)
 #   on cuDNN's plain calls, then on ours (one after the other in the same command; STAGE_ARGS
 #   "--seq 64k" for another length);
+#   per_rank_plain_kernels: plain causal attention per rank, cuDNN's split calls then ours (one
+#   masked call per pass), both against cuDNN's unsharded call (--ideal dense), S = 32k;
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -154,13 +156,21 @@ for s in "${stages[@]}"; do
           $(args_of "$s")
       done
       ;;
+    per_rank_plain_kernels)  # plain causal per rank: cuDNN's split calls, then ours
+      for impl in cudnn mosaic; do
+        name=per_rank_causal_$impl
+        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 \
+          --implementation cudnn --rank-implementation "$impl" --ideal dense \
+          --json "$OUT/$name.json" --png "$OUT/$name.png" $(args_of "$s")
+      done
+      ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
       stage cp_step_window 400 python3 benchmarks/cp_step.py --layers 6 --seq 16k --hidden 4096 \
         --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport xla peer none \
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, cp_step_window)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

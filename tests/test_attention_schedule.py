@@ -145,6 +145,21 @@ def test_a_wide_causal_window_on_cudnn_gathers_only_its_reach_beside_the_diagona
     ], calls  # fmt: skip
 
 
+def test_a_wide_causal_window_on_cudnn_over_xla_moves_the_reached_chunks_alone():
+    """implementation='cudnn' with a causal window of 13 (chunks of 8, R = 4) and no workspace:
+    XLA's collective-permutes of whole chunks (K and V forward, dK and dV back), no all-gather or
+    reduce-scatter, beside the same three cuDNN calls each way as on the peer transport."""
+    layer = lambda q, k, v: cpg.dot_product_attention(
+        q, k, v, axis_name="cp", implementation="cudnn", local_window_size=(13, 0)
+    )
+    text = _lowered_grad(layer)
+    permutes = re.findall(r"stablehlo.collective_permute.*?-> tensor<([\dx]+)x(?:bf16|f32)>", text)
+    assert permutes and set(permutes) == {"1x8x2x16"}, permutes
+    assert "all_gather" not in text and "reduce_scatter" not in text
+    targets = re.findall(r"custom_call @([\w$]+)\(", text)
+    assert targets.count(FWD) == 3 and targets.count(BWD) == 3, targets
+
+
 def test_without_overlap_the_layer_makes_plain_calls():
     targets = _lowered_targets(workspace_spec(4, protocol="device"), remat=False)
     assert targets.count("jax_cpgrad_all_gather_device") == 1

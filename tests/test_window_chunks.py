@@ -1,8 +1,9 @@
 """A wide window's chunks moved alone on the XLA transport (jax_cpgrad.attention.window_chunks), on
 2, 4 and 8 CPU devices: which chunks each rank gets, their rows and positions against the
-natural-order array, the return bitwise against a numpy float32 sum, and what the layer lowers to
-(whole chunks by collective-permute, no all-gather of K/V). On the peer transport such a window
-gathers from the ranks it reaches alone (emulated on the CPU)."""
+natural-order array, the return bitwise against a numpy float32 sum, the same chunks laid out in
+natural order for plain calls (and their return), and what the layer lowers to (whole chunks by
+collective-permute, no all-gather of K/V). On the peer transport such a window gathers from the
+ranks it reaches alone (emulated on the CPU)."""
 
 import functools
 import re
@@ -60,9 +61,11 @@ def test_no_layout_within_a_chunk_at_one_rank_or_where_all_is_reached():
 MOVED = [(n, w) for n in (2, 4, 8) for w in [(4, 0), (9, 0), (5, 6)] if W.layout(n, C, *w) is not None]
 
 
-def _exchange_body(lay):
+def _moved_body(move, lay):
+    """The spmd body of ``move`` (``W.exchange`` or ``W.gather_natural``) of K and V."""
+
     def body(k, v):
-        return W.exchange(lay, (k, v), "cp")
+        return move(lay, (k, v), "cp")
 
     return body
 
@@ -71,7 +74,7 @@ def _exchange_body(lay):
 def test_rows_are_the_global_chunks_at_their_positions(n, window):
     lay = W.layout(n, C, *window)
     k_nat, v_nat = _natural(n, 0), _natural(n, 1)
-    kr, vr = spmd(cp_mesh(n), _exchange_body(lay))(_stacked(k_nat, n), _stacked(v_nat, n))
+    kr, vr = spmd(cp_mesh(n), _moved_body(W.exchange, lay))(_stacked(k_nat, n), _stacked(v_nat, n))
     for r in range(n):
         pos, valid = W.positions(lay, r)
         for got, nat in ((kr[r], k_nat), (vr[r], v_nat)):
@@ -112,6 +115,51 @@ def test_return_is_the_owners_float32_sum_bitwise(n, window, dtype):
     for r in range(n):
         assert got[r].dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(got[r]).view(np.uint8), want[r].view(np.uint8))
+
+
+@pytest.mark.parametrize("n,window", MOVED, ids=str)
+def test_natural_rows_hold_the_own_and_reached_chunks_in_place(n, window):
+    """gather_natural (for plain calls): the natural-order sequence with the rank's own chunks and
+    those its window reaches, zeros in every other chunk."""
+    lay = W.layout(n, C, *window)
+    k_nat, v_nat = _natural(n, 0), _natural(n, 1)
+    kr, vr = spmd(cp_mesh(n), _moved_body(W.gather_natural, lay))(_stacked(k_nat, n), _stacked(v_nat, n))
+    for r in range(n):
+        kept = {r, 2 * n - 1 - r} | set(_reached(r, n, *window))
+        for got, nat in ((kr[r], k_nat), (vr[r], v_nat)):
+            assert got.shape == nat.shape
+            for s in range(2 * n):
+                rows = slice(s * C, (s + 1) * C)
+                want = nat[:, rows] if s in kept else np.zeros_like(nat[:, rows])
+                np.testing.assert_array_equal(got[:, rows], want, err_msg=f"rank {r} chunk {s}")
+
+
+@pytest.mark.parametrize("n,window", MOVED, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_return_natural_is_the_owners_float32_sum_bitwise(n, window, dtype):
+    """return_natural: each owner's own chunks' cotangents, then every slot's that held them, in
+    slot order, in float32, rounded once; the cotangents of chunks not reached are dropped."""
+    lay = W.layout(n, C, *window)
+    rng = np.random.default_rng(n + 1)
+    cts = np.array(jnp.asarray(rng.standard_normal((n, B, 2 * n * C, K, D)).astype(np.float32), dtype))
+    (got,) = spmd(cp_mesh(n), lambda ct: W.return_natural(lay, (ct,), "cp"))(jnp.asarray(cts))
+    acc = {}
+    for r in range(n):  # own chunks first
+        own = [cts[r][:, j * C : (j + 1) * C].astype(np.float32) for j in (r, 2 * n - 1 - r)]
+        acc[r] = np.concatenate(own, axis=1)
+    for k in range(lay.n_slots):
+        for r in range(n):
+            s = int(lay.chunk[r, k])
+            if s >= 0:
+                owner, first = lay.owner(s)
+                where = slice(0, C) if first else slice(C, 2 * C)
+                acc[owner][:, where] = acc[owner][:, where] + cts[r][:, s * C : (s + 1) * C].astype(
+                    np.float32
+                )
+    for r in range(n):
+        want = np.asarray(jnp.asarray(acc[r], dtype))
+        assert got[r].dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(got[r]).view(np.uint8), want.view(np.uint8))
 
 
 @pytest.mark.parametrize(

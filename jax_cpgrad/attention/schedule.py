@@ -155,15 +155,18 @@ def _gathered_ids(cfg: Config, words):
 def _transfers(cfg: Config, q):
     """(the K/V move, the dK/dV move back), each ``(xs, fn, *args) -> (moved, fn(*args))``: the
     halo's for a window within a chunk, the reached chunks' for a wider window where the
-    transfer moves them alone, else the gather and return (of the ranks a window reaches)."""
+    transfer moves them alone (as they arrived for masked calls, in natural order for plain
+    ones), else the gather and return (of the ranks a window reaches)."""
     c = q.shape[1] // 2
     window = cfg.plan.halo_window(c)
     t = cfg.transfer
-    lay = cfg.plan.chunk_layout(c)
+    lay, natural = cfg.plan.chunk_layout(c), False
+    if lay is None:  # plain calls read the reached chunks in natural order
+        lay, natural = cfg.plan.plain_chunk_layout(c), True
     if lay is not None:
         return (
-            lambda xs, fn, *args: t.chunks(xs, lay, fn, *args),
-            lambda grads, fn, *args: t.return_chunks(grads, lay, fn, *args),
+            lambda xs, fn, *args: t.chunks(xs, lay, fn, *args, natural=natural),
+            lambda grads, fn, *args: t.return_chunks(grads, lay, fn, *args, natural=natural),
         )
     if window is None:  # a wider window: the gather needs the ranks within its reach alone
         near = t.near(cfg.plan.window_reach(c))

@@ -12,8 +12,10 @@ are ``halo.rank_positions``'), and ``return_halo(grads, window, chunk_len, fn, *
 transpose, ``(each owner's [B, 2c, ...] gradients, fn(*args))``, the owner adding the returned
 rows in float32. A transfer with ``moves_window_chunks`` also moves a wider window's chunks alone
 (``window_chunks.py``): ``chunks(xs, layout, fn, *args)`` and ``return_chunks(grads, layout, fn,
-*args)``, the same way. :class:`OnMeshAxis` is jax_cpgrad's
-transport on a mesh axis (peer transport with a workspace, XLA collectives without);
+*args)``, the same way; with ``natural=True`` the chunks are laid out in natural order ``[B, S,
+...]``, zeros where no chunk came (for plain calls, which read spans of it).
+:class:`OnMeshAxis` is jax_cpgrad's transport on a mesh axis (peer transport with a workspace,
+XLA collectives without);
 ``emulation.NoTransfer`` stands in for it on one device, to measure a rank's attention.
 """
 
@@ -46,9 +48,9 @@ class Transfer(Protocol):
 
     def near(self, reach: int) -> Transfer: ...
 
-    def chunks(self, xs, layout, fn, *args): ...
+    def chunks(self, xs, layout, fn, *args, natural: bool = False): ...
 
-    def return_chunks(self, grads, layout, fn, *args): ...
+    def return_chunks(self, grads, layout, fn, *args, natural: bool = False): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +94,15 @@ class OnMeshAxis:
             return self
         return dataclasses.replace(self, spec=self.spec.within(reach))
 
-    def chunks(self, xs, layout, fn, *args):
+    def chunks(self, xs, layout, fn, *args, natural: bool = False):
         y = fn(*args)  # XLA schedules its collective-permutes asynchronously around this
-        return window_chunks.exchange(layout, tuple(xs), self.axis_name), y
+        move = window_chunks.gather_natural if natural else window_chunks.exchange
+        return move(layout, tuple(xs), self.axis_name), y
 
-    def return_chunks(self, grads, layout, fn, *args):
+    def return_chunks(self, grads, layout, fn, *args, natural: bool = False):
         y = fn(*args)
-        return window_chunks.return_grads(layout, tuple(grads), self.axis_name), y
+        back = window_chunks.return_natural if natural else window_chunks.return_grads
+        return back(layout, tuple(grads), self.axis_name), y
 
     def gather_ids(self, words):
         """Over the same transport as K/V (XLA's collectives fail for processes sharing a GPU),

@@ -23,7 +23,14 @@ adds, for each of its chunks, the cotangents of every slot that held it in float
 and rounds once. Where the busiest rank needs every other chunk anyway, :func:`layout` returns
 None and the layer gathers (one collective moves the same to it).
 
-The peer transport has no neighbour op yet, so it keeps the all-gather for such windows.
+Plain calls (cuDNN's, for a causal window of a chunk or more) read spans of the keys in natural
+order: :func:`gather_natural` moves the same chunks and lays them out as the all-gather would,
+``[B, S, ...]`` with the rank's own chunks and the reached ones in place and zeros elsewhere (no
+query sees them); :func:`return_natural` is its transpose, the rank's own chunks' cotangents
+added first.
+
+The peer transport gathers from the ranks within the window's reach instead
+(``WorkspaceSpec.within``).
 """
 
 from __future__ import annotations
@@ -148,6 +155,11 @@ def _slot_rows(lay: Layout, x, axis_name: str, slot: int, rank):
     return jnp.where(from_first[rank], a, b)
 
 
+def _slots(lay: Layout, x, axis_name: str, rank):
+    """``[B, n_slots, c, ...]``: the chunk each slot brings, in slot order (zeros where not real)."""
+    return jnp.stack([_slot_rows(lay, x, axis_name, k, rank) for k in range(lay.n_slots)], axis=1)
+
+
 def exchange(lay: Layout, xs: tuple, axis_name: str):
     """Each array of ``xs`` (the rank's ``[B, 2c, ...]``) -> its rows ``[B, n_slots * c, ...]``
     (the module's order)."""
@@ -155,10 +167,25 @@ def exchange(lay: Layout, xs: tuple, axis_name: str):
     order = jnp.asarray(lay.order)[rank]
     out = []
     for x in xs:
-        slots = jnp.stack([_slot_rows(lay, x, axis_name, k, rank) for k in range(lay.n_slots)], axis=1)
-        rows = jnp.take(slots, order, axis=1)
+        rows = jnp.take(_slots(lay, x, axis_name, rank), order, axis=1)
         out.append(rows.reshape(x.shape[0], lay.rows, *x.shape[2:]))
     return tuple(out)
+
+
+def _send_back(lay: Layout, slots, axis_name: str, rank, acc_first, acc_second):
+    """``(acc_first, acc_second)`` (float32 ``[B, c, ...]``, the rank's two chunks) plus the
+    cotangents of every slot that held them, from the ranks that hold those slots: ``slots``
+    ``[B, n_slots, c, ...]`` in slot order, each sent back along its permutes, added in slot order."""
+    real = jnp.asarray(lay.chunk >= 0)[rank]
+    for k in range(lay.n_slots):
+        g = jnp.where(real[k], slots[:, k], jnp.zeros_like(slots[:, k]))
+        for first in (True, False):  # each move back the way it came
+            back = _permute(g, axis_name, [(dst, src) for src, dst in lay.pairs(k, first)])
+            if first:
+                acc_first = acc_first + back.astype(jnp.float32)
+            else:
+                acc_second = acc_second + back.astype(jnp.float32)
+    return acc_first, acc_second
 
 
 def return_grads(lay: Layout, cts: tuple, axis_name: str):
@@ -167,20 +194,58 @@ def return_grads(lay: Layout, cts: tuple, axis_name: str):
     rank = jax.lax.axis_index(axis_name).astype(I32)
     c = lay.chunk_len
     inverse = jnp.asarray(np.argsort(lay.order, axis=1))[rank]
-    real = jnp.asarray(lay.chunk >= 0)[rank]
     out = []
     for ct in cts:
         slots = jnp.take(ct.reshape(ct.shape[0], lay.n_slots, c, *ct.shape[2:]), inverse, axis=1)
-        acc_first = jnp.zeros((ct.shape[0], c, *ct.shape[2:]), jnp.float32)
-        acc_second = acc_first
-        for k in range(lay.n_slots):
-            g = jnp.where(real[k], slots[:, k], jnp.zeros_like(slots[:, k]))
-            for first in (True, False):  # each move back the way it came
-                back = _permute(g, axis_name, [(dst, src) for src, dst in lay.pairs(k, first)])
-                if first:
-                    acc_first = acc_first + back.astype(jnp.float32)
-                else:
-                    acc_second = acc_second + back.astype(jnp.float32)
+        zeros = jnp.zeros((ct.shape[0], c, *ct.shape[2:]), jnp.float32)
+        acc_first, acc_second = _send_back(lay, slots, axis_name, rank, zeros, zeros)
+        out.append(rounded(jnp.concatenate([acc_first, acc_second], axis=1), ct.dtype))
+    return tuple(out)
+
+
+def natural_sources(lay: Layout) -> np.ndarray:
+    """int ``[R, 2R]``: where each global chunk of rank r's natural-order rows comes from, as an
+    index into ``[own first, own second, slot 0, .., slot n_slots - 1, zeros]``."""
+    n = lay.num_ranks
+    src = np.full((n, 2 * n), 2 + lay.n_slots)
+    for r in range(n):
+        src[r, r], src[r, 2 * n - 1 - r] = 0, 1
+        for k, s in enumerate(lay.chunk[r]):
+            if s >= 0:
+                src[r, s] = 2 + k
+    return src
+
+
+def gather_natural(lay: Layout, xs: tuple, axis_name: str):
+    """Each array of ``xs`` (the rank's ``[B, 2c, ...]``) -> ``[B, 2Rc, ...]`` in natural order:
+    the rank's own chunks and the chunks its window reaches in place, zeros elsewhere; only the
+    reached chunks travel."""
+    rank = jax.lax.axis_index(axis_name).astype(I32)
+    c, n = lay.chunk_len, lay.num_ranks
+    src = jnp.asarray(natural_sources(lay))[rank]
+    out = []
+    for x in xs:
+        first, second = _chunks(x, c)
+        zeros = jnp.zeros_like(first)[:, None]
+        pieces = jnp.concatenate([first[:, None], second[:, None], _slots(lay, x, axis_name, rank), zeros], 1)
+        out.append(jnp.take(pieces, src, axis=1).reshape(x.shape[0], 2 * n * c, *x.shape[2:]))
+    return tuple(out)
+
+
+def return_natural(lay: Layout, cts: tuple, axis_name: str):
+    """The transpose of :func:`gather_natural`: each cotangent ``[B, 2Rc, ...]`` -> the owners'
+    ``[B, 2c, ...]``: the rank's own chunks' cotangents, then those of the slots that held them
+    (slot order), summed in float32 and rounded once; the rows of chunks not reached are dropped
+    (no query read them)."""
+    rank = jax.lax.axis_index(axis_name).astype(I32)
+    c, n = lay.chunk_len, lay.num_ranks
+    held = jnp.asarray(np.maximum(lay.chunk, 0))[rank]  # the chunk of each slot (any, where not real)
+    out = []
+    for ct in cts:
+        chunks = ct.reshape(ct.shape[0], 2 * n, c, *ct.shape[2:])
+        own = jnp.take(chunks, jnp.stack([rank, 2 * n - 1 - rank]), axis=1).astype(jnp.float32)
+        slots = jnp.take(chunks, held, axis=1)
+        acc_first, acc_second = _send_back(lay, slots, axis_name, rank, own[:, 0], own[:, 1])
         out.append(rounded(jnp.concatenate([acc_first, acc_second], axis=1), ct.dtype))
     return tuple(out)
 
