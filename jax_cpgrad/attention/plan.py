@@ -61,7 +61,7 @@ window, cuDNN's sliding window; a causal window, no documents). Of left < c:
 
 Of left >= c (the keys in natural order: on the peer transport the gather of the ranks within
 the window's reach, ``window_reach``; on XLA's permutes the chunks the window reaches alone, laid
-out in natural order, ``plain_chunk_layout``; the others' rows zeros that no call reads):
+out in natural order, ``chunk_layout``; the others' rows zeros that no call reads):
 
 - local: the diagonal blocks, plain causal (the window reaches past each one's start);
 - remote: for each chunk j (folded into the batch) the ``left - c`` keys just before it, which
@@ -187,18 +187,11 @@ class RankPlan:
 
     def chunk_layout(self, chunk_len: int) -> window_chunks.Layout | None:
         """The slots of a window with a side of a chunk or more whose chunks travel alone (a
-        transfer that moves them, and fewer than all other chunks needed); None otherwise."""
+        transfer that moves them, and fewer than all other chunks needed); None otherwise. Masked
+        calls read the chunks as they arrived; plain calls (``window_as_plain``) laid out in
+        natural order (``window_chunks.gather_natural``)."""
         sides = self._window_sides()
-        if sides is None or not self.moves_window_chunks or self.window_as_plain:
-            return None  # a plain window's calls read the keys in natural order: plain_chunk_layout
-        return window_chunks.layout(self.num_ranks, chunk_len, *sides)
-
-    def plain_chunk_layout(self, chunk_len: int) -> window_chunks.Layout | None:
-        """For plain calls with a causal window of a chunk or more on a transfer that moves chunks
-        alone: the slots of the chunks it reaches, which travel alone and are laid out in natural
-        order (``window_chunks.gather_natural``); None otherwise (the gather)."""
-        sides = self._window_sides()
-        if sides is None or not self.moves_window_chunks or not self.window_as_plain:
+        if sides is None or not self.moves_window_chunks:
             return None
         return window_chunks.layout(self.num_ranks, chunk_len, *sides)
 

@@ -160,9 +160,8 @@ def _transfers(cfg: Config, q):
     c = q.shape[1] // 2
     window = cfg.plan.halo_window(c)
     t = cfg.transfer
-    lay, natural = cfg.plan.chunk_layout(c), False
-    if lay is None:  # plain calls read the reached chunks in natural order
-        lay, natural = cfg.plan.plain_chunk_layout(c), True
+    lay = cfg.plan.chunk_layout(c)
+    natural = cfg.plan.window_as_plain  # plain calls read the reached chunks in natural order
     if lay is not None:
         return (
             lambda xs, fn, *args: t.chunks(xs, lay, fn, *args, natural=natural),

@@ -203,7 +203,7 @@ def return_grads(lay: Layout, cts: tuple, axis_name: str):
     return tuple(out)
 
 
-def natural_sources(lay: Layout) -> np.ndarray:
+def _natural_sources(lay: Layout) -> np.ndarray:
     """int ``[R, 2R]``: where each global chunk of rank r's natural-order rows comes from, as an
     index into ``[own first, own second, slot 0, .., slot n_slots - 1, zeros]``."""
     n = lay.num_ranks
@@ -222,7 +222,7 @@ def gather_natural(lay: Layout, xs: tuple, axis_name: str):
     reached chunks travel."""
     rank = jax.lax.axis_index(axis_name).astype(I32)
     c, n = lay.chunk_len, lay.num_ranks
-    src = jnp.asarray(natural_sources(lay))[rank]
+    src = jnp.asarray(_natural_sources(lay))[rank]
     out = []
     for x in xs:
         first, second = _chunks(x, c)

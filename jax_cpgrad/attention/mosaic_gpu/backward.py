@@ -468,9 +468,8 @@ def backward(
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
     vec = lambda *shape, dt=F32: plgpu.SMEM(shape, dt)
     bars = lambda n: plgpu.Barrier(num_barriers=n)
-    freed = lambda n: plgpu.Barrier(
-        num_arrivals=C, num_barriers=n
-    )  # a slot is free once every consumer let go
+    # a slot is free once every consumer let go of it
+    freed = lambda n: plgpu.Barrier(num_arrivals=C, num_barriers=n)
     launch: dict[str, Any] = dict(
         num_threads=C + 1, thread_name="wg", grid_names=("head", "batch", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
