@@ -8,7 +8,8 @@ with no XLA flag, and many times faster than the masked XLA kernel. cuDNN expres
 and no two-sided windows; for causal windows ours took 0.84-0.90 of its plain calls' time per
 rank on an H200 at a window of 512 and 1.00-1.05x at 4096 (cuDNN's without the same bits every
 run: ``implementation="cudnn"`` asks for them). Plain causal or full calls stay with cuDNN, whose
-backward is faster than ours (benchmarks/results/README.md, findings 11 and 13).
+backward is faster than ours: per rank its split calls took 0.93-0.96 of our one masked call a
+part (benchmarks/results/README.md, findings 6, 11 and 13).
 """
 
 from __future__ import annotations

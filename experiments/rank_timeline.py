@@ -1,0 +1,129 @@
+"""Where a small rank's time goes: its kernels by kind, and the GPU's idle time between them.
+
+Backs the question of what keeps a rank's masked attention above its share at small chunks
+(benchmarks/results/README.md, finding 12: "small chunks pay fixed costs"): is it the attention
+kernels themselves (a short grid fills the GPU less well), the masks' small XLA ops, or the gaps
+between launches? One H200; the rank's fwd + bwd (``rank_without_transfer``, as
+benchmarks/attention.py reads it), for each case:
+
+- the time per call, back to back (the benchmark's reading);
+- from a profiler trace of a few calls: every kernel by name (time and launches per call), and
+  their summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions);
+  the busy time against the call's time is the GPU's idle share.
+
+    python experiments/rank_timeline.py --seq 32k --n 1 8 --cases window512 causal \
+        --implementations mosaic cudnn --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import step_profile  # noqa: E402
+from attention import back_to_back, fwd_bwd, human_tokens, inputs, parse_tokens  # noqa: E402
+
+from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
+
+CASES = {"causal": None, "window512": 512, "window4096": 4096}
+
+
+def kind(name: str) -> str:
+    if "mosaic_gpu" in name:
+        return "pallas"
+    if "cudnn" in name or "sm90" in name or "fmha" in name.lower():
+        return "cudnn"
+    if name.startswith("sort"):
+        return "sort"
+    if "memcpy" in name or "memset" in name:
+        return "copy"
+    return "xla"
+
+
+def timeline(f, args, steps: int) -> dict:
+    """Every kernel of ``steps`` calls of f, by name: microseconds and launches per call; and the
+    summed time by kind. (The calls are not told apart in the trace: totals over steps.)"""
+    planes = step_profile.gpu_kernels(f, args, steps)
+    if "error" in planes:
+        return dict(error=planes["error"])
+    events = [e for streams in planes.values() for evs in streams.values() for e in evs]
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in events:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += (end - start) / 1e3 / steps
+        entry[1] += 1
+    by_kind: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + us
+    kernels = sorted(((n[:90], us, count / steps) for n, (us, count) in by_name.items()), key=lambda x: -x[1])
+    # the attention kernels of the last call, in launch order (each call launches the same ones)
+    attention = [e for e in events if kind(e[0]) in ("pallas", "cudnn")]
+    pallas = sorted((start, (end - start) / 1e3) for _, start, end in attention)
+    per_call = len(pallas) // steps
+    in_order = [round(us, 1) for _, us in pallas[len(pallas) - per_call :]]
+    return dict(
+        launches=len(events) / steps, busy_us=sum(by_kind.values()), by_kind_us=by_kind, kernels=kernels,
+        attention_kernels_in_order_us=in_order,
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=parse_tokens, default=32 * 1024)
+    p.add_argument("--n", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--cases", nargs="+", default=["window512", "causal"], choices=sorted(CASES))
+    p.add_argument("--implementations", nargs="+", default=["mosaic"])
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--reading-s", type=float, default=1.0)
+    p.add_argument("--list", type=int, default=60, help="kernels listed per case")
+    p.add_argument("--hlo", help="a folder: each case's optimized HLO (to tell what a fusion is)")
+    p.add_argument("--json")
+    opts = p.parse_args(argv)
+    rows = []
+    for case in opts.cases:
+        for impl in opts.implementations:
+            if impl == "cudnn" and case != "causal" and CASES[case] is None:
+                continue
+            for n in opts.n:
+                local = opts.seq // n
+                data = inputs(local, 32, opts.kv_heads, 128, seed=n)
+                window = CASES[case]
+                f = fwd_bwd(
+                    lambda q, k, v, rank, n=n, w=window, i=impl: rank_without_transfer(
+                        q, k, v, rank, n, local_window_size=w, implementation=i
+                    )
+                )
+                args = (*data, jnp.int32(n - 1))
+                jax.block_until_ready(f(*args))
+                t = back_to_back(f, args, opts.reading_s)
+                row = dict(case=case, implementation=impl, n=n, seq=opts.seq, ms=t * 1e3)
+                row |= timeline(f, args, steps=3)
+                if opts.hlo:
+                    os.makedirs(opts.hlo, exist_ok=True)
+                    with open(os.path.join(opts.hlo, f"{case}_{impl}_n{n}.hlo.txt"), "w") as fh:
+                        fh.write(f.lower(*args).compile().as_text())
+                rows.append(row)
+                kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row.get("by_kind_us", {}).items()))
+                print(
+                    f"{case} {impl} S={human_tokens(opts.seq)} R={n} rank {n - 1}: {t * 1e3:.3f} ms a call; "
+                    f"{row.get('launches', 0):.0f} launches, busy {row.get('busy_us', 0):.0f} us; {kinds}",
+                    flush=True,
+                )
+                order = row.get("attention_kernels_in_order_us")
+                print(f"      attention kernels in launch order (us): {order}")
+                for name, us, count in row.get("kernels", [])[: opts.list]:
+                    print(f"      {us:8.1f} us  x{count:<4.0f} {name}")
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
