@@ -1,4 +1,4 @@
-"""Where a small rank's time goes: its kernels by kind, and the GPU's idle time between them.
+"""Where a small rank's time goes: its kernels by name and kind, and the GPU's idle share.
 
 Backs the question of what keeps a rank's masked attention above its share at small chunks
 (benchmarks/results/README.md, finding 12: "small chunks pay fixed costs"): is it the attention
@@ -7,9 +7,12 @@ between launches? One H200; the rank's fwd + bwd (``rank_without_transfer``, as
 benchmarks/attention.py reads it), for each case:
 
 - the time per call, back to back (the benchmark's reading);
-- from a profiler trace of a few calls: every kernel by name (time and launches per call), and
-  their summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions);
-  the busy time against the call's time is the GPU's idle share.
+- from a profiler trace of a few calls: every kernel by name (time and launches per call), their
+  summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions), and the
+  attention kernels of one call in launch order (which tells the calls' kernels apart: they share
+  names); the busy time against the call's time is the GPU's idle share;
+- with ``--hlo DIR``, the optimized HLO of each case, whose fusion names and source lines (its
+  ``stack_frame_id`` tables) say what each XLA kernel is.
 
     python experiments/rank_timeline.py --seq 32k --n 1 8 --cases window512 causal \
         --implementations mosaic cudnn --json out.json
