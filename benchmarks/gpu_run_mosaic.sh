@@ -40,6 +40,8 @@
 #   "--seq 64k" for another length);
 #   per_rank_plain_kernels: plain causal attention per rank, cuDNN's split calls then ours (one
 #   masked call per pass), both against cuDNN's unsharded call (--ideal dense), S = 32k;
+# - rank_timeline: experiments/rank_timeline.py at 32k, R = 4 and 8, windows of 512 and 4096, with
+#   the backward's small grids narrowed to one consumer (the default), then not;
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
@@ -164,13 +166,21 @@ for s in "${stages[@]}"; do
           --json "$OUT/$name.json" --png "$OUT/$name.png" $(args_of "$s")
       done
       ;;
+    rank_timeline)  # a rank's kernels (experiments/rank_timeline.py), small grids narrowed and not
+      for changes in "" narrow_small_grids=false; do
+        name=rank_timeline${changes:+_not_narrowed}
+        # shellcheck disable=SC2046  # no --bwd-config at all for the default
+        stage "$name" 200 python3 experiments/rank_timeline.py --seq 32k --n 4 8 --cases window512 window4096 \
+          --list 25 --json "$OUT/$name.json" $([ -n "$changes" ] && echo --bwd-config "$changes") $(args_of "$s")
+      done
+      ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1
       stage cp_step_window 400 python3 benchmarks/cp_step.py --layers 6 --seq 16k --hidden 4096 \
         --kv-heads 8 --local-window-size 1024 1024 1024 1024 1024 none --transport xla peer none \
         --protocol device device+overlap --steps 10 --time-budget-s 300 \
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, cp_step_window)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

@@ -475,7 +475,7 @@ def grid(opts) -> list[tuple[str, int, int, int]]:
     return points
 
 
-def _config_changes(items: list[str]) -> dict:
+def config_changes(items: list[str]) -> dict:
     out = {}
     for item in items:
         name, _, value = item.partition("=")
@@ -520,7 +520,7 @@ def parse(argv=None):
         if getattr(opts, name) is None:
             setattr(opts, name, smoke if small else full)
     opts.reference = "xla" if small else "cudnn"
-    opts.fwd_config, opts.bwd_config = _config_changes(opts.fwd_config), _config_changes(opts.bwd_config)
+    opts.fwd_config, opts.bwd_config = config_changes(opts.fwd_config), config_changes(opts.bwd_config)
     if not small and jax.default_backend() != "gpu":
         p.error("the kernels need an sm_90 GPU; --smoke runs on the CPU")
     return opts

@@ -11,6 +11,8 @@ benchmarks/attention.py reads it), for each case:
   summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions), and the
   attention kernels of one call in launch order (which tells the calls' kernels apart: they share
   names); the busy time against the call's time is the GPU's idle share;
+- with ``--bwd-config name=value ...``, our backward kernels' ``BackwardConfig`` changed in every
+  call the layer makes (e.g. ``narrow_small_grids=false``: the same case with and without it);
 - with ``--hlo DIR``, the optimized HLO of each case, whose fusion names and source lines (its
   ``stack_frame_id`` tables) say what each XLA kernel is.
 
@@ -21,6 +23,7 @@ benchmarks/attention.py reads it), for each case:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -31,8 +34,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import step_profile  # noqa: E402
 from attention import back_to_back, fwd_bwd, human_tokens, inputs, parse_tokens  # noqa: E402
+from mosaic_attention import config_changes  # noqa: E402
 
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
+
+# the module (the package re-exports its function under the same name)
+mosaic_backward = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
 
 CASES = {"causal": None, "window512": 512, "window4096": 4096}
 
@@ -86,8 +93,13 @@ def main(argv=None) -> int:
     p.add_argument("--reading-s", type=float, default=1.0)
     p.add_argument("--list", type=int, default=60, help="kernels listed per case")
     p.add_argument("--hlo", help="a folder: each case's optimized HLO (to tell what a fusion is)")
+    p.add_argument("--bwd-config", nargs="*", default=[], help="BackwardConfig changes, e.g. consumers=1")
     p.add_argument("--json")
     opts = p.parse_args(argv)
+    changes = config_changes(opts.bwd_config)
+    if changes:  # the layer's calls take the default config: change it where they read it
+        default = mosaic_backward.default_config
+        mosaic_backward.default_config = lambda *a, **kw: default(*a, **kw).replace(**changes)
     rows = []
     for case in opts.cases:
         for impl in opts.implementations:
@@ -103,7 +115,7 @@ def main(argv=None) -> int:
                 args = (*data, jnp.int32(n - 1))
                 jax.block_until_ready(f(*args))
                 t = back_to_back(f, args, opts.reading_s)
-                row = dict(case=case, implementation=impl, n=n, seq=opts.seq, ms=t * 1e3)
+                row = dict(case=case, implementation=impl, n=n, seq=opts.seq, ms=t * 1e3, bwd_config=changes)
                 row |= timeline(f, args, steps=3)
                 if opts.hlo:
                     os.makedirs(opts.hlo, exist_ok=True)
@@ -112,7 +124,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row.get("by_kind_us", {}).items()))
                 print(
-                    f"{case} {impl} S={human_tokens(opts.seq)} R={n} rank {n - 1}: {t * 1e3:.3f} ms a call; "
+                    f"{case} {impl} {changes or ''} S={human_tokens(opts.seq)} R={n} rank {n - 1}: "
+                    f"{t * 1e3:.3f} ms a call; "
                     f"{row.get('launches', 0):.0f} launches, busy {row.get('busy_us', 0):.0f} us; {kinds}",
                     flush=True,
                 )

@@ -552,22 +552,30 @@ def test_register_forms_against_shared_memory_forms(gpu, name, case_names):
 def test_one_and_two_backward_consumers_give_the_same_bits(gpu, name, case_names):
     """A second consumer warpgroup changes which rows (keys) share a program, not the sums: each
     row's (key's) tiles are visited in the same order, the extra tiles of the wider program adding
-    exact zeros, so the gradients are the same bits."""
+    exact zeros, so the gradients are the same bits; and so does the default, which runs a kernel
+    whose grid is under a wave of SMs with one consumer (``narrow_small_grids``)."""
     group = BY_NAME.get(name, GROUPS[0])
     cases = [c for c in group.cases if c.name in case_names] or list(group.cases[:1])
     data = group.inputs()
     fwd, bwd = configs(group.H)
-    assert bwd.consumers == 2, bwd
-    one, two = (ours(fwd, bwd.replace(consumers=n), group.H**-0.5) for n in (1, 2))
+    assert bwd.consumers == 2 and bwd.narrow_small_grids, bwd
+    # these grids are under a wave of SMs: without narrow_small_grids=False, 2 would run 1
+    one, two = (ours(fwd, bwd.replace(consumers=n, narrow_small_grids=False), group.H**-0.5) for n in (1, 2))
+    narrowed = ours(fwd, bwd, group.H**-0.5)
+    sms, grid = mconfig.sm_count(), lambda heads, length: heads * tile_plan.cdiv(length, 64)  # batch 1
+    picked = [mb.kernel_consumers(bwd, grid(h, n), sms) for h, n in ((group.N, group.T), (group.K, group.L))]
     for case in cases:
         vis, _ = case.masks_of()
-        got_one, got_two = call(one, *data, vis), call(two, *data, vis)
-        for n, a, b in zip(("dq", "dk", "dv"), got_one[2:], got_two[2:], strict=True):
-            d = float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32))))
-            assert np.array_equal(_bits(a), _bits(b)), (
-                f"{case.name}: {n} differs by {d:.3g} (1 vs 2 consumers)"
-            )
-        print(f"MOSAIC {group.name} {case.name}: 1 and 2 backward consumers bitwise equal", flush=True)
+        got_one, got_two, got_default = (call(f, *data, vis) for f in (one, two, narrowed))
+        for label, got in (("1 vs 2 consumers", got_one), (f"default {picked} vs 2 consumers", got_default)):
+            for n, a, b in zip(("dq", "dk", "dv"), got[2:], got_two[2:], strict=True):
+                d = float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32))))
+                assert np.array_equal(_bits(a), _bits(b)), f"{case.name}: {n} differs by {d:.3g} ({label})"
+        print(
+            f"MOSAIC {group.name} {case.name}: 1, 2 and the default's {picked} (dQ, dK/dV) backward "
+            "consumers bitwise equal",
+            flush=True,
+        )
 
 
 # The grid last: the checks above run first in a run cut short.

@@ -133,7 +133,9 @@ def _max_err(a, b):
 
 
 def _interpret_backward(q, k, v, out, lse, d_out, vis, scale, consumers=2):
-    config = mb.default_config(q.shape[-1], interpret=True).replace(consumers=consumers)
+    config = mb.default_config(q.shape[-1], interpret=True).replace(
+        consumers=consumers, narrow_small_grids=False
+    )  # these grids are small: with narrowing, 2 would run 1
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         return jax.block_until_ready(mb.backward(q, k, v, out, lse, d_out, vis, scale=scale, config=config))
 
@@ -244,13 +246,48 @@ def test_config_and_input_checks():
         mb.backward(q256, k256, k256, q256, lse, q256, vis, scale=0.125)
 
 
+def test_kernel_consumers_narrow_only_grids_under_a_wave():
+    two = mb.BackwardConfig()
+    assert mb.kernel_consumers(two, programs=132, sm_count=132) == 1  # 66 programs with two
+    assert mb.kernel_consumers(two, programs=133, sm_count=132) == 2
+    assert mb.kernel_consumers(two.replace(narrow_small_grids=False), programs=8, sm_count=132) == 2
+    assert mb.kernel_consumers(two.replace(consumers=1), programs=10_000, sm_count=132) == 1
+
+
+def _consumers_launched(monkeypatch, q, k, v, d_out, vis, config=None):
+    """The consumers the dQ and dK/dV kernels are built with (abstract evaluation, no run)."""
+    seen = []
+    real = mb.registers
+    monkeypatch.setattr(mb, "registers", lambda c: seen.append(c) or real(c))
+    lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
+    jax.eval_shape(lambda *a: mb.backward(*a, vis, scale=0.125, config=config), q, k, v, q, lse, d_out)
+    return seen
+
+
+def test_small_grids_run_one_consumer(monkeypatch):
+    """A halo-sized call (keys and rows under a wave of programs) runs both kernels with one
+    consumer by default; a grid past a wave keeps two; ``narrow_small_grids=False`` keeps two."""
+    B, T, L, N, K, H = 2, 512, 512, 32, 8, 128
+    vis = masks.visibility(CAUSAL, jnp.arange(L, L + T, dtype=jnp.int32), jnp.arange(L, dtype=jnp.int32))
+    z = lambda *shape: jnp.zeros(shape, BF16)
+    q, k = z(B, T, N, H), z(B, L, K, H)
+    # dQ: 32 heads x 2 x 8 tiles of 64 rows = 512 programs with one: two; dK/dV: 8 x 2 x 8 = 128: one
+    assert _consumers_launched(monkeypatch, q, k, k, q, vis) == [2, 1]
+    keep = mb.default_config(H).replace(narrow_small_grids=False)
+    assert _consumers_launched(monkeypatch, q, k, k, q, vis, keep) == [2, 2]
+    q4, k1 = z(B, T, 4, H), z(B, L, 1, H)  # 4 query heads: the dQ grid fits a wave too
+    assert _consumers_launched(monkeypatch, q4, k1, k1, q4, vis) == [1, 1]
+
+
 # -- lowering for CUDA ---------------------------------------------------------------------------
 
 
 def _export(name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2):
     q, k, v, d_out, vis = _inputs(name, head_dim)
     lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
-    config = mb.default_config(head_dim, interpret=operands_via_smem).replace(consumers=consumers)
+    config = mb.default_config(head_dim, interpret=operands_via_smem).replace(
+        consumers=consumers, narrow_small_grids=False
+    )
     f = lambda *a: mb.backward(*a, scale=head_dim**-0.5, config=config)
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (q, k, v, q, lse, d_out, vis))
     return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)

@@ -25,7 +25,7 @@ only outside the unmasked range. Programs are launched heaviest tile first (``or
 **Warpgroups.** Each program has ``consumers + 1`` warpgroups (``wg``), two consumers by default:
 
 - the last, the *producer*, gives back most of its registers (24 with two consumers, 40 with
-  one: ``BackwardConfig.registers``) and only issues TMA copies of the streamed operands (K and
+  one: ``registers``) and only issues TMA copies of the streamed operands (K and
   V tiles for dQ; Q, dO, lse and delta tiles for dK/dV) into a ring of ``num_stages`` SMEM
   slots, one "loaded" barrier per slot and operand; before refilling a slot it waits for the
   slot's "free" barrier (released by every consumer), and at the end it waits for the last
@@ -45,7 +45,10 @@ on an H200 they took the backward from 1.45x cuDNN's time to 1.09x at 16k (causa
 128; ``benchmarks/results/README.md``, finding 11). The plan is per program, so a consumer may
 visit a tile that only its sibling's rows see; its P there is exactly 0, and each row's (key's)
 sums run over the same tiles in the same order: one consumer and two give the same bits (a GPU
-test). The accumulators (dQ; dK and dV) are wgmma accumulator refs that live across the whole
+test). So a kernel whose grid is under a wave of SMs runs with one consumer
+(``narrow_small_grids``, ``kernel_consumers``): a halo's dK/dV, 64 programs of 128 keys on 132
+SMs, would otherwise leave half of them idle while each program walks its whole chain of steps.
+The accumulators (dQ; dK and dV) are wgmma accumulator refs that live across the whole
 loop, so the float32 sums never leave registers.
 
 **Operands in registers or through SMEM** (``BackwardConfig.operands_via_smem``): on the GPU the
@@ -109,7 +112,11 @@ class BackwardConfig:
     - ``operands_via_smem``: dS (dQ) and P^T, dS^T (dK/dV) reach their wgmma through shared
       memory instead of as register operands. GPU interpret mode simulates wgmma only with
       operands in memory, so interpret mode needs True; False is what the GPU should run (one
-      shared-memory round trip and fence less per step). Both forms lower and are tested.
+      shared-memory round trip and fence less per step). Both forms lower and are tested;
+    - ``narrow_small_grids``: a kernel whose grid of one-consumer programs still fits in one
+      wave of the GPU's SMs runs with one consumer (``kernel_consumers``). Such a grid leaves
+      half the SMs idle with two, and its time is the longest program's chain of steps; one
+      consumer a program halves the keys (rows) each walks. The same bits either way.
     """
 
     block_q: int = 64
@@ -117,6 +124,7 @@ class BackwardConfig:
     num_stages: int = 2
     consumers: int = 2
     operands_via_smem: bool = False
+    narrow_small_grids: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -136,14 +144,22 @@ class BackwardConfig:
         dkv = c * (2 * bk * head_dim * itemsize + 2 * p + 4 * 2 * bk) + s * bq * (2 * head_dim * itemsize + 8)
         return max(dq, dkv)
 
-    @property
-    def registers(self) -> tuple[int, int]:
-        """(a consumer's, the producer's) registers per thread. Two consumers and the producer
-        share an SM's 65536 registers: 240 + 240 + 24 = 504 per lane of 128."""
-        return (240, 24) if self.consumers == 2 else (240, 40)
-
     def replace(self, **changes) -> BackwardConfig:
         return dataclasses.replace(self, **changes)
+
+
+def registers(consumers: int) -> tuple[int, int]:
+    """(a consumer's, the producer's) registers per thread. Two consumers and the producer share
+    an SM's 65536 registers: 240 + 240 + 24 = 504 per lane of 128."""
+    return (240, 24) if consumers == 2 else (240, 40)
+
+
+def kernel_consumers(config: BackwardConfig, programs: int, sm_count: int) -> int:
+    """Consumers a kernel runs with: ``config.consumers``, or one where ``narrow_small_grids`` and
+    its ``programs`` with one consumer (twice those with two) fit in ``sm_count`` SMs."""
+    if config.narrow_small_grids and config.consumers == 2 and programs <= sm_count:
+        return 1
+    return config.consumers
 
 
 def default_config(head_dim: int, *, interpret: bool = False) -> BackwardConfig:
@@ -442,10 +458,13 @@ def backward(
         config_lib.check_device()
     B, T, N, H = q.shape
     L, K = k.shape[1:3]
-    bq, bk, S, C = config.block_q, config.block_k, config.num_stages, config.consumers
+    bq, bk, S = config.block_q, config.block_k, config.num_stages
     via_smem = config.operands_via_smem
+    sm_count = config_lib.sm_count()
+    Cq = kernel_consumers(config, N * B * tile_plan.cdiv(T, bq), sm_count)  # the dQ kernel's
+    Ck = kernel_consumers(config, K * B * tile_plan.cdiv(L, bk), sm_count)  # the dK/dV kernel's
     # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
-    Tp, Lp = tile_plan.cdiv(T, C * bq) * C * bq, tile_plan.cdiv(L, C * bk) * C * bk
+    Tp, Lp = tile_plan.cdiv(T, Cq * bq) * Cq * bq, tile_plan.cdiv(L, Ck * bk) * Ck * bk
     dtype = q.dtype
 
     # delta and the base-2 lse, once in XLA; a row that sees nothing: lse +inf, so P = 0.
@@ -456,55 +475,57 @@ def backward(
     kp, vp = _pad(k, 1, Lp), _pad(v, 1, Lp)
     row_lo, row_hi = (_pad(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
     col_lo, col_hi = (_pad(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
-    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=C * bq, inner_block=bk, inner_len=Lp)
-    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=C * bk, inner_block=bq, inner_len=Tp)
+    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
+    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
     plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)
 
     kw = dict(
         block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
-        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem, registers=config.registers,
+        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem,
     )  # fmt: skip
     transforms = _smem_transforms(dtype)
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
     vec = lambda *shape, dt=F32: plgpu.SMEM(shape, dt)
     bars = lambda n: plgpu.Barrier(num_barriers=n)
-    # a slot is free once every consumer let go of it
-    freed = lambda n: plgpu.Barrier(num_arrivals=C, num_barriers=n)
-    launch: dict[str, Any] = dict(
-        num_threads=C + 1, thread_name="wg", grid_names=("head", "batch", "tile"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )  # fmt: skip
 
+    def launch(body, C, out_type, scratch, grid, operands):
+        return plgpu.kernel(
+            functools.partial(body, **kw, registers=registers(C)),
+            out_type=out_type,
+            scratch_types=scratch,
+            grid=grid,
+            num_threads=C + 1,
+            thread_name="wg",
+            grid_names=("head", "batch", "tile"),
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*operands)
+
+    # a slot is free once every consumer let go of it
+    freed = lambda C, n: plgpu.Barrier(num_arrivals=C, num_barriers=n)
     # fmt: off
     dq_scratch: list[Any] = [
-        tiles(C, bq, H), tiles(C, bq, H), vec(C, bq), vec(C, bq), vec(C, bq, dt=I32), vec(C, bq, dt=I32),
+        tiles(Cq, bq, H), tiles(Cq, bq, H), vec(Cq, bq), vec(Cq, bq), vec(Cq, bq, dt=I32),
+        vec(Cq, bq, dt=I32),
         tiles(S, bk, H), tiles(S, bk, H),  # the K/V ring
-        *([tiles(C, bq, bk)] if via_smem else []),  # dS
-        bars(6 * C), bars(S), bars(S), freed(S),  # resident loaded; K, V loaded; slot free
+        *([tiles(Cq, bq, bk)] if via_smem else []),  # dS
+        bars(6 * Cq), bars(S), bars(S), freed(Cq, S),  # resident loaded; K, V loaded; slot free
     ]
     dkv_scratch: list[Any] = [
-        tiles(C, bk, H), tiles(C, bk, H), vec(C, bk, dt=I32), vec(C, bk, dt=I32),  # resident
+        tiles(Ck, bk, H), tiles(Ck, bk, H), vec(Ck, bk, dt=I32), vec(Ck, bk, dt=I32),  # resident
         tiles(S, bq, H), tiles(S, bq, H), vec(S, bq), vec(S, bq),  # the Q/dO/lse/delta ring
-        *([tiles(C, bk, bq), tiles(C, bk, bq)] if via_smem else []),  # P^T, dS^T
-        bars(4 * C), bars(S), bars(S), bars(S), bars(S), freed(S),  # resident; Q, dO, lse, delta; free
+        *([tiles(Ck, bk, bq), tiles(Ck, bk, bq)] if via_smem else []),  # P^T, dS^T
+        bars(4 * Ck), bars(S), bars(S), bars(S), bars(S), freed(Ck, S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
     dq_operands = (qp, kp, vp, dop, lse2, delta, row_lo, row_hi, *plan(rows))
-    dq = plgpu.kernel(
-        functools.partial(_dq_kernel, **kw),
-        out_type=jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
-        scratch_types=dq_scratch,
-        grid=(N, B, Tp // (C * bq)),
-        **launch,
-    )(*dq_operands)
-
+    dq = launch(
+        _dq_kernel, Cq, jax.ShapeDtypeStruct((B, Tp, N, H), dtype), dq_scratch, (N, B, Tp // (Cq * bq)),
+        dq_operands,
+    )  # fmt: skip
     dkv_operands = (qp, kp, vp, dop, lse2, delta, col_lo, col_hi, *plan(cols))
-    dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, **kw),
-        out_type=(jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2,
-        scratch_types=dkv_scratch,
-        grid=(K, B, Lp // (C * bk)),
-        **launch,
-    )(*dkv_operands)
+    dk, dv = launch(
+        _dkv_kernel, Ck, (jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2, dkv_scratch,
+        (K, B, Lp // (Ck * bk)), dkv_operands,
+    )  # fmt: skip
     dq, (dk, dv) = varying_like(dq, dq_operands), varying_like((dk, dv), dkv_operands)
     return dq[:, :T], dk[:, :L], dv[:, :L]

@@ -23,6 +23,8 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: The GPU generation it is written for (wgmma, TMA and warpgroup register reallocation).
 COMPUTE_CAPABILITY = "9.0"
+#: Streaming multiprocessors of an H100/H200 SXM.
+HOPPER_SXM_SMS = 132
 #: Shared memory a Hopper thread block may use (227 KiB), less a little for barriers.
 SMEM_BYTES = 227 * 1024 - 1024
 
@@ -160,6 +162,14 @@ def check(q, k, v, vis, config: Config) -> None:
             f"more than the {SMEM_BYTES} a Hopper thread block has; lower num_stages or block_k "
             f"(default_config({H}) fits)"
         )
+
+
+def sm_count(device=None) -> int:
+    """The device's streaming multiprocessors; an H100/H200 SXM's 132 where the device is not a
+    GPU (lowering for CUDA on a CPU, interpret mode) or does not say."""
+    device = jax.local_devices()[0] if device is None else device
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return count if isinstance(count, int) and count > 0 else HOPPER_SXM_SMS
 
 
 def compute_capability(device=None) -> str | None:
