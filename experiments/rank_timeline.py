@@ -10,7 +10,8 @@ benchmarks/attention.py reads it), for each case:
 - from a profiler trace of a few calls: every kernel by name (time and launches per call), their
   summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions), and the
   attention kernels of one call in launch order (which tells the calls' kernels apart: they share
-  names); the busy time against the call's time is the GPU's idle share;
+  names); the busy time against the call's time is the GPU's idle share, and the last call's
+  idle gaps on the GPU say whether the idle time is spread over the launches (the host) or not;
 - with ``--bwd-config name=value ...``, our backward kernels' ``BackwardConfig`` changed in every
   call the layer makes (e.g. ``narrow_small_grids=false``: the same case with and without it);
 - with ``--hlo DIR``, the optimized HLO of each case, whose fusion names and source lines (its
@@ -79,7 +80,26 @@ def timeline(f, args, steps: int) -> dict:
     in_order = [round(us, 1) for _, us in pallas[len(pallas) - per_call :]]
     return dict(
         launches=len(events) / steps, busy_us=sum(by_kind.values()), by_kind_us=by_kind, kernels=kernels,
-        attention_kernels_in_order_us=in_order,
+        attention_kernels_in_order_us=in_order, **idle_of_last_call(events, steps),
+    )  # fmt: skip
+
+
+def idle_of_last_call(events, steps: int, listed: int = 6) -> dict:
+    """The last call's span on the GPU (first kernel's start to last kernel's end), the time no
+    kernel ran inside it, and its longest idle gaps with the kernel each followed: spread over
+    every launch, the GPU waits on the host's launches; in a few places, on something else."""
+    ordered = sorted(events, key=lambda e: e[1])
+    call = ordered[len(ordered) - len(ordered) // steps :]
+    gaps, end, last = [], call[0][2], call[0][0]  # last: the kernel that ended at ``end``
+    for name, start, stop in call[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, last[:60]))
+        if stop > end:
+            end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    return dict(
+        call_span_us=(end - call[0][1]) / 1e3, call_idle_us=sum(us for us, _ in gaps),
+        call_gaps=len(gaps), longest_gaps_us=[(round(us, 1), name) for us, name in gaps[:listed]],
     )  # fmt: skip
 
 
@@ -128,6 +148,11 @@ def main(argv=None) -> int:
                     f"{t * 1e3:.3f} ms a call; "
                     f"{row.get('launches', 0):.0f} launches, busy {row.get('busy_us', 0):.0f} us; {kinds}",
                     flush=True,
+                )
+                print(
+                    f"      the last call on the GPU: {row.get('call_span_us', 0):.0f} us, idle "
+                    f"{row.get('call_idle_us', 0):.0f} us in {row.get('call_gaps', 0)} gaps; the longest "
+                    f"(us, after): {row.get('longest_gaps_us')}"
                 )
                 order = row.get("attention_kernels_in_order_us")
                 print(f"      attention kernels in launch order (us): {order}")
