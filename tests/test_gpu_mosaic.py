@@ -562,8 +562,7 @@ def test_one_and_two_backward_consumers_give_the_same_bits(gpu, name, case_names
     # these grids are under a wave of SMs: without narrow_small_grids=False, 2 would run 1
     one, two = (ours(fwd, bwd.replace(consumers=n, narrow_small_grids=False), group.H**-0.5) for n in (1, 2))
     narrowed = ours(fwd, bwd, group.H**-0.5)
-    sms, grid = mconfig.sm_count(), lambda heads, length: heads * tile_plan.cdiv(length, 64)  # batch 1
-    picked = [mb.kernel_consumers(bwd, grid(h, n), sms) for h, n in ((group.N, group.T), (group.K, group.L))]
+    picked = list(mb.consumers_of(bwd, data[0].shape, data[1].shape, mconfig.sm_count()))
     for case in cases:
         vis, _ = case.masks_of()
         got_one, got_two, got_default = (call(f, *data, vis) for f in (one, two, narrowed))

@@ -162,6 +162,16 @@ def kernel_consumers(config: BackwardConfig, programs: int, sm_count: int) -> in
     return config.consumers
 
 
+def consumers_of(config: BackwardConfig, q_shape, k_shape, sm_count: int) -> tuple[int, int]:
+    """(the dQ kernel's, the dK/dV kernel's) consumers for q [B, T, N, H] and k [B, L, K, H]:
+    their one-consumer grids are N x B x T / block_q and K x B x L / block_k programs."""
+    (B, T, N), (L, K) = q_shape[:3], k_shape[1:3]
+    return (
+        kernel_consumers(config, N * B * tile_plan.cdiv(T, config.block_q), sm_count),
+        kernel_consumers(config, K * B * tile_plan.cdiv(L, config.block_k), sm_count),
+    )
+
+
 def default_config(head_dim: int, *, interpret: bool = False) -> BackwardConfig:
     """The backward config for ``head_dim``; ``interpret=True``: the form interpret mode runs."""
     _check_head_dim(head_dim)
@@ -460,9 +470,7 @@ def backward(
     L, K = k.shape[1:3]
     bq, bk, S = config.block_q, config.block_k, config.num_stages
     via_smem = config.operands_via_smem
-    sm_count = config_lib.sm_count()
-    Cq = kernel_consumers(config, N * B * tile_plan.cdiv(T, bq), sm_count)  # the dQ kernel's
-    Ck = kernel_consumers(config, K * B * tile_plan.cdiv(L, bk), sm_count)  # the dK/dV kernel's
+    Cq, Ck = consumers_of(config, q.shape, k.shape, config_lib.sm_count())  # dQ's, dK/dV's
     # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
     Tp, Lp = tile_plan.cdiv(T, Cq * bq) * Cq * bq, tile_plan.cdiv(L, Ck * bk) * Ck * bk
     dtype = q.dtype
