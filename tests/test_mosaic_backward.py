@@ -239,6 +239,8 @@ def test_config_and_input_checks():
         mb.backward(q, k, v, out, lse, d_out, vis, scale=0)
     with pytest.raises(ValueError, match="float32"):
         mb.backward(q.astype(F32), k.astype(F32), v.astype(F32), out, lse, d_out, vis, scale=0.125)
+    with pytest.raises(ValueError, match="out must be in q's dtype or float32"):
+        mb.backward(q, k, v, out.astype(BF16), lse, d_out, vis, scale=0.125)
     with pytest.raises(ValueError, match="shared memory"):
         mb.backward(q, k, v, out, lse, d_out, vis, scale=0.125, config=mb.BackwardConfig(num_stages=40))
     q256, k256 = jnp.zeros(q.shape[:3] + (256,), q.dtype), jnp.zeros(k.shape[:3] + (256,), k.dtype)
@@ -282,14 +284,15 @@ def test_small_grids_run_one_consumer(monkeypatch):
 # -- lowering for CUDA ---------------------------------------------------------------------------
 
 
-def _export(name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2):
+def _export(name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2, out_dtype=None):
     q, k, v, d_out, vis = _inputs(name, head_dim)
     lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
+    out = q if out_dtype is None else q.astype(out_dtype)
     config = mb.default_config(head_dim, interpret=operands_via_smem).replace(
         consumers=consumers, narrow_small_grids=False
     )
     f = lambda *a: mb.backward(*a, scale=head_dim**-0.5, config=config)
-    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (q, k, v, q, lse, d_out, vis))
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (q, k, v, out, lse, d_out, vis))
     return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
 
 
@@ -314,4 +317,13 @@ def test_interpret_form_lowers_for_cuda(head_dim, consumers):
     text = _export(
         "documents_causal_gqa4", head_dim, operands_via_smem=True, consumers=consumers
     ).mlir_module()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float32_out_lowers_for_cuda(head_dim):
+    """The dQ kernel reads the given out in its own dtype for delta: a float32 out (a merged one
+    kept wide) takes float32 tiles in shared memory, and still fits."""
+    text = _export("window_causal_gqa2", head_dim, operands_via_smem=False, out_dtype=F32).mlir_module()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
