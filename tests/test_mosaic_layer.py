@@ -90,15 +90,18 @@ def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False):
 
 
 def _kernels_in(text: str) -> dict[str, int]:
-    """Mosaic GPU custom calls of an exported module by kernel: the forward (10 operands, out and
-    lse), dQ (13 operands, one result) and dK/dV (13 operands, two results)."""
+    """Mosaic GPU custom calls of an exported module by kernel, from their operand count and
+    result types: the forward (10 operands; out and the float32 lse), dQ (13 operands; dQ and
+    the float32 delta it computes for dK/dV) and dK/dV (13 operands; two 16-bit results)."""
     found = {"forward": 0, "dq": 0, "dkv": 0, "other": 0}
     for line in text.splitlines():
-        m = re.search(r"(?:%\S+?(?::(\d+))? = )?stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", line)
+        m = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\).*-> (.*)", line)
         if not m:
             continue
-        results, operands = int(m.group(1) or 1), m.group(2).count("%")
-        kind = {(10, 2): "forward", (13, 1): "dq", (13, 2): "dkv"}.get((operands, results), "other")
+        operands, results = m.group(1).count("%"), re.findall(r"tensor<[^>]*>", m.group(2))
+        f32_last = len(results) == 2 and results[1].endswith("xf32>")
+        kinds = {(10, True): "forward", (13, True): "dq", (13, False): "dkv"}
+        kind = kinds.get((operands, f32_last), "other")
         found[kind] += 1
     return found
 
