@@ -127,15 +127,23 @@ def top_kernels(f, args, steps: int = 3, count: int = 12) -> list[tuple[str, flo
     """The `count` kernels that ran longest over `steps` runs of f(*args) (already warm), on all
     GPUs: (name, microseconds per run, launches per run); [] when there is no GPU trace."""
     planes = gpu_kernels(f, args, steps)
-    total: dict[str, float] = {}
-    launches: dict[str, int] = {}
-    for streams in ({} if "error" in planes else planes).values():
-        for events in streams.values():
-            for name, start, end in events:
-                total[name] = total.get(name, 0.0) + (end - start) / 1e3 / steps
-                launches[name] = launches.get(name, 0) + 1
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:count]
-    return [(name, us, launches[name] // steps) for name, us in ranked]
+    events = (
+        []
+        if "error" in planes
+        else [e for streams in planes.values() for evs in streams.values() for e in evs]
+    )
+    ranked = sorted(per_kernel(events, steps).items(), key=lambda kv: -kv[1][0])[:count]
+    return [(name, us, launches // steps) for name, (us, launches) in ranked]
+
+
+def per_kernel(events, steps: int) -> dict[str, tuple[float, int]]:
+    """{kernel name: (microseconds per run, launches over all runs)} of (name, start ns, end ns)
+    events recorded over `steps` runs."""
+    totals: dict[str, tuple[float, int]] = {}
+    for name, start, end in events:
+        us, launches = totals.get(name, (0.0, 0))
+        totals[name] = (us + (end - start) / 1e3 / steps, launches + 1)
+    return totals
 
 
 def gpu_kernels(compiled, args, steps: int) -> dict:

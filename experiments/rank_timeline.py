@@ -64,11 +64,7 @@ def timeline(f, args, steps: int) -> dict:
     if "error" in planes:
         return dict(error=planes["error"])
     events = [e for streams in planes.values() for evs in streams.values() for e in evs]
-    by_name: dict[str, list[float]] = {}
-    for name, start, end in events:
-        entry = by_name.setdefault(name, [0.0, 0])
-        entry[0] += (end - start) / 1e3 / steps
-        entry[1] += 1
+    by_name = step_profile.per_kernel(events, steps)
     by_kind: dict[str, float] = {}
     for name, (us, _) in by_name.items():
         by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + us

@@ -414,6 +414,14 @@ def test_step_profile_splits_communication_into_hidden_and_exposed():
     assert step_profile.kind_of("void jax_cpgrad::ll_all_gather<true>") == "peer"  # the LL words
 
 
+def test_step_profile_totals_each_kernel_per_run():
+    import step_profile
+
+    events = [("gemm", 0, 4000), ("sort", 4000, 5000), ("gemm", 6000, 8000), ("gemm", 9000, 9500)]
+    got = step_profile.per_kernel(events, steps=2)
+    assert got == {"gemm": (3.25, 3), "sort": (0.5, 1)}  # us per run: (4 + 2 + 0.5) / 2, 1 / 2
+
+
 def test_the_head_start_survives_compilation():
     """Its matmuls feed the returned scalar: XLA may not compile them away (it did when they only
     fed an unused output of the optimization barrier)."""
