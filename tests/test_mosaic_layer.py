@@ -99,9 +99,9 @@ def _kernels_in(text: str) -> dict[str, int]:
         if not m:
             continue
         operands, results = m.group(1).count("%"), re.findall(r"tensor<[^>]*>", m.group(2))
-        f32_last = len(results) == 2 and results[1].endswith("xf32>")
-        kinds = {(10, True): "forward", (13, True): "dq", (13, False): "dkv"}
-        kind = kinds.get((operands, f32_last), "other")
+        form = (operands, len(results), results[-1].endswith("xf32>"))
+        kinds = {(10, 2, True): "forward", (13, 2, True): "dq", (13, 2, False): "dkv"}
+        kind = kinds.get(form, "other")
         found[kind] += 1
     return found
 
