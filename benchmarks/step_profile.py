@@ -127,11 +127,9 @@ def top_kernels(f, args, steps: int = 3, count: int = 12) -> list[tuple[str, flo
     """The `count` kernels that ran longest over `steps` runs of f(*args) (already warm), on all
     GPUs: (name, microseconds per run, launches per run); [] when there is no GPU trace."""
     planes = gpu_kernels(f, args, steps)
-    events = (
-        []
-        if "error" in planes
-        else [e for streams in planes.values() for evs in streams.values() for e in evs]
-    )
+    if "error" in planes:
+        return []
+    events = [e for streams in planes.values() for evs in streams.values() for e in evs]
     ranked = sorted(per_kernel(events, steps).items(), key=lambda kv: -kv[1][0])[:count]
     return [(name, us, launches // steps) for name, (us, launches) in ranked]
 
