@@ -95,6 +95,12 @@ def test_halo_windows_match_unsharded_attention(ranks, causal, heads, window, do
     _check(ranks, causal=causal, heads=heads, window=window, documents=documents, batch=batch)
 
 
+def test_causal_halo_window_with_a_batch_sharing_one_mask():
+    """The folded halo call (each chunk's edge against its slot) with B = 2 and no documents:
+    one mask for the batch, tiled to the folded call's 2B entries."""
+    _check(4, causal=True, heads="gqa", window=5, batch=2)
+
+
 def test_halo_windows_with_the_head_groups_pipeline():
     _check(4, causal=False, heads="mha", window=(3, 5), documents="crossing", head_groups=2)
 
@@ -126,13 +132,19 @@ def test_halo_visibility_is_exact(ranks, causal, window):
     for r in range(ranks):
         (call,) = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words).remote
         edges = plan.edge_rows(c, *rank_plan.halo_window(c))
-        assert call.keys == "moved"
-        assert (call.rows, call.edges) == (("all", ()) if edges == ((0, 2 * c),) else ("edges", edges))
+        # a causal window's call folds each chunk's edge and its halo slot into the batch
+        rows_kind, keys_kind = ("chunk_heads", "moved_fold") if causal else ("edges", "moved")
+        assert call.keys == ("moved" if edges == ((0, 2 * c),) else keys_kind)
+        assert (call.rows, call.edges) == (("all", ()) if edges == ((0, 2 * c),) else (rows_kind, edges))
         pos, valid = halo.halo_positions(r, ranks, c, *rank_plan.halo_window(c))
-        compact = np.asarray(call.vis.dense())  # [B, E, L]: the edge rows alone
+        by_row = np.asarray(call.vis.dense())
         lo, hi = np.asarray(call.vis.col_lo), np.asarray(call.vis.col_hi)
-        by_column = masks.interval_mask(jnp.asarray(lo), jnp.asarray(hi), compact.shape[1])  # [B, L, E]
-        np.testing.assert_array_equal(compact, np.swapaxes(np.asarray(by_column), 1, 2))
+        by_column = np.asarray(masks.interval_mask(jnp.asarray(lo), jnp.asarray(hi), by_row.shape[1]))
+        if call.rows == "chunk_heads":  # [2B, e, left] -> the two blocks on the diagonal
+            assert by_row.shape[0] == 2 * ids.shape[0]
+            by_row, by_column = _unfolded(by_row), _unfolded(by_column)
+        compact = by_row  # [B, E, L]: the edge rows alone
+        np.testing.assert_array_equal(compact, np.swapaxes(by_column, 1, 2))
         rows = np.concatenate([np.arange(a, b) for a, b in edges])
         dense = np.zeros((compact.shape[0], 2 * c, compact.shape[2]), bool)  # [B, 2c, L]
         dense[:, rows] = compact  # the other rows see no halo key: compared with the window's below
@@ -147,6 +159,14 @@ def test_halo_visibility_is_exact(ranks, causal, window):
         for j in np.flatnonzero(valid):
             got[:, :, column[pos[j]]] = dense[:, :, j]
         np.testing.assert_array_equal(got, want)
+
+
+def _unfolded(blocks):
+    """[2B, m, n] (b-major pairs of blocks) -> [B, 2m, 2n] with each pair on the diagonal."""
+    two_b, m, n = blocks.shape
+    out = np.zeros((two_b // 2, 2 * m, 2 * n), bool)
+    out[:, :m, :n], out[:, m:, n:] = blocks[0::2], blocks[1::2]
+    return out
 
 
 @pytest.mark.parametrize("left,right", [(5, 0), (0, 3), (2, 3), (3, 5), (7, 7), (1, 1)], ids=str)

@@ -197,6 +197,27 @@ def test_interpret_rounded_out(name):
 
 
 @needs_interpret
+@pytest.mark.parametrize("extra", [150, 20], ids=["in_place", "under_a_tile"])
+def test_interpret_reads_the_first_rows_of_longer_inputs(extra):
+    """q, out and d_out with more rows than the mask (the layer's halo call on each chunk's
+    first rows): the same bits as the call on their first T rows, whether they hold the padded
+    tiles (read in place) or not; the rows after T hold large values and change nothing."""
+    name = "window_causal_gqa2"  # T = 160: its last tile is partial
+    q, k, v, d_out, vis = _inputs(name)
+    scale = q.shape[-1] ** -0.5
+    out = _reference_grads(q, k, v, d_out, vis, scale, F32)[0].astype(q.dtype)
+    lse = _lse(q, k, vis, scale)
+    tails = jax.random.split(jax.random.key(3), 3)
+    tail = lambda x, key: (100 * jax.random.normal(key, (x.shape[0], extra, *x.shape[2:]))).astype(x.dtype)
+    longer = [jnp.concatenate([x, tail(x, key)], 1) for x, key in zip((q, out, d_out), tails, strict=True)]
+    want = _interpret_backward(q, k, v, out, lse, d_out, vis, scale)
+    got = _interpret_backward(longer[0], k, v, longer[1], lse, longer[2], vis, scale)
+    assert got[0].shape == q.shape
+    for what, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(F32)), np.asarray(w.astype(F32)), err_msg=what)
+
+
+@needs_interpret
 def test_interpret_merge_property():
     """Keys split in two parts, each part's backward given the MERGED out and lse: dq sums to the
     whole's, dk/dv of the parts are the whole's pieces."""

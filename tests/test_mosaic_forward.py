@@ -201,6 +201,24 @@ def test_interpret_deterministic():
         assert np.array_equal(a, b, equal_nan=True)
 
 
+@interpret
+@pytest.mark.parametrize("extra", [200, 40], ids=["in_place", "under_a_tile"])
+def test_interpret_reads_the_first_rows_of_a_longer_q(extra):
+    """q with more rows than the mask (the layer's halo call on each chunk's first rows): the
+    same bits as the call on q's first T rows alone, whether q holds the padded tiles (read in
+    place) or not (its first rows copied and padded); the rows after T are large and unread."""
+    case = CASES[2]  # T = 100: its last tile is partial
+    config = _interpret_config(case.H)
+    q, k, v = _inputs(case, jnp.bfloat16)
+    tail = 100 * jax.random.normal(jax.random.key(7), (case.B, extra, case.N, case.H), F32)
+    longer = jnp.concatenate([q, tail.astype(q.dtype)], axis=1)
+    want = _run_interpreted(q, k, v, case.visibility(), 0.125, config)
+    got = _run_interpreted(longer, k, v, case.visibility(), 0.125, config)
+    assert got[0].shape == q.shape and got[1].shape == (case.B, case.N, case.T)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # --- lowering for CUDA (no GPU needed) -----------------------------------------------------------
 
 
@@ -279,9 +297,16 @@ def test_bad_inputs(kwargs, match):
 
 
 def test_bad_visibility():
-    vis = masks.visibility(masks.Mask(causal=True), jnp.arange(64), jnp.arange(128))
-    with pytest.raises(ValueError, match=r"vis.row_lo must be \[1 or B=1, T=128\]"):
-        _call(vis=vis)
+    """A mask of more query rows than q holds, or of another key count, is refused (fewer rows
+    are the call of q's first rows: ``test_interpret_reads_the_first_rows_of_a_longer_q``)."""
+    more_rows = masks.visibility(masks.Mask(causal=True), jnp.arange(256), jnp.arange(128))
+    with pytest.raises(ValueError, match="vis describes 256 query rows, more than q's 128"):
+        _call(vis=more_rows)
+    other_keys = masks.visibility(masks.Mask(causal=True), jnp.arange(128), jnp.arange(64))
+    with pytest.raises(ValueError, match=r"vis.col_lo must be \[1 or B=1, L=128\]"):
+        _call(vis=other_keys)
+    out, lse = _call(vis=masks.visibility(masks.Mask(causal=True), jnp.arange(64), jnp.arange(128)))
+    assert out.shape == (1, 64, 2, 64) and lse.shape == (1, 2, 64)
 
 
 @pytest.mark.parametrize(

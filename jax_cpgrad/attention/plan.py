@@ -39,7 +39,10 @@ ids, ``masks.py``):
   comes from the rows' global positions (``halo.rank_positions``, increasing) and the runs of the
   gathered ids at those positions; padding rows (``valid`` False) sit beyond the window's reach,
   and their columns are emptied too, so no query sees them. (Where the two edges of a chunk
-  meet, left + right >= c, the call takes all the rows.)
+  meet, left + right >= c, the call takes all the rows.) A causal window's edges are each
+  chunk's first ``left`` rows and see only the ``left`` halo keys before their chunk: the call
+  folds both into the batch (``chunk_heads`` rows, ``moved_fold`` keys, ``fold_visibility``)
+  and the kernel reads the edge rows of q, out and dO where they lie, with no copy of them.
 - remote with a wider window's **chunks** (a side of c or more, on a transfer that moves them
   alone: XLA's permutes, ``moves_window_chunks``): all the rank's queries against the chunks
   the window reaches (``window_chunks.py``), the same way (positions from
@@ -95,7 +98,10 @@ I32 = jnp.int32
 # segments ``Call.edges`` joined (a window's edge rows: the results stay compact, and the schedule
 # merges them into the local part's rows in place, so the call costs what its rows do, not 2c);
 # the two edges folded into the batch and reversed ([2B, left], a plain window's halo call).
-Rows = Literal["all", "fold", "far", "edges", "edges_fold"]
+# Or the two chunks folded into the batch ([2B, c]) of which the call takes each entry's first
+# rows (its mask has fewer rows than the entries: the kernel reads them in place, no copy; the
+# results are compact, as ``edges``'s, for a causal window's halo call on masked kernels).
+Rows = Literal["all", "fold", "far", "edges", "edges_fold", "chunk_heads"]
 # Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
 # into two halves; the gathered first half; the other ranks' chunks in order (a copy).
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
@@ -103,7 +109,11 @@ Rows = Literal["all", "fold", "far", "edges", "edges_fold"]
 # slots before the chunks, folded and reversed (a plain window's halo call, ``_halo_keys``).
 # Or, for each of the rank's chunks (folded into the batch), a span of the gathered keys just
 # before it, reversed (``Call.key_span``: a plain window of a chunk or more).
-Keys = Literal["own", "own_fold", "gathered_fold", "first_half", "others", "moved", "halo_fold", "before"]
+# Or the halo's rows folded ([2B, left]: slots A and C, one per chunk; a causal window's halo
+# call on masked kernels, with ``chunk_heads`` rows).
+Keys = Literal[
+    "own", "own_fold", "gathered_fold", "first_half", "others", "moved", "moved_fold", "halo_fold", "before"
+]
 
 
 @jax.tree_util.register_dataclass
@@ -226,7 +236,7 @@ class RankPlan:
         """The rank's calls for its queries ``q [B, 2c, N, H]``; ``words``: the segment ids of the
         whole sequence in natural order, as int32 words ``[B, S, W]`` (``id_words``), or None."""
         if self.masked:
-            return self._masked_calls(q.shape[1] // 2, rank, words)
+            return self._masked_calls(q.shape[1] // 2, rank, words, q.shape[0])
         if self.window_as_plain:
             return self._plain_window_calls(q, rank)
         if self.causal and self.has_remote:
@@ -277,7 +287,7 @@ class RankPlan:
             return Calls(local, (band,))
         return Calls(local, (before(left - c, left - c, rows="fold"), band))
 
-    def _masked_calls(self, c: int, rank, words) -> Calls:
+    def _masked_calls(self, c: int, rank, words, batch: int) -> Calls:
         mask, q_pos = self.mask, self._own_positions(c, rank)
         runs = None if words is None else runs_of(words)
         own_runs = None if runs is None else self._own(runs, rank)
@@ -287,7 +297,8 @@ class RankPlan:
         moved = self._moved_positions(c, rank)
         if moved is not None:
             k_pos, valid = moved
-            return Calls(local, (self._moved_call(runs, q_pos, own_runs, k_pos, valid, self._edges(c)),))
+            call = self._moved_call(runs, q_pos, own_runs, k_pos, valid, self._edges(c))
+            return Calls(local, (self._in_place(call, c, batch),))
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
@@ -314,8 +325,8 @@ class RankPlan:
         those of the sequence at them (clipped: the padding rows take the first or the last run,
         which keeps the runs non-decreasing), padding (not ``valid``) columns emptied."""
         if edges:
-            q_pos = _take_segments(q_pos, edges, axis=-1)
-            own_runs = None if own_runs is None else _take_segments(own_runs, edges, axis=-1)
+            q_pos = take_segments(q_pos, edges, axis=-1)
+            own_runs = None if own_runs is None else take_segments(own_runs, edges, axis=-1)
         if runs is None:
             k_runs = None
         else:
@@ -324,6 +335,20 @@ class RankPlan:
         unseen = jnp.where(valid, vis.col_hi, vis.col_lo)
         vis = dataclasses.replace(vis, col_hi=unseen)
         return Call("edges" if edges else "all", "moved", vis=vis, edges=edges)
+
+    def _in_place(self, call: Call, c: int, batch: int) -> Call:
+        """A causal window's halo call with its rows read in place where it can be: each chunk's
+        first ``left`` rows (the edges) against the ``left`` halo keys before the chunk (slots A
+        and C), both folded into the batch (``chunk_heads`` rows, ``moved_fold`` keys): the
+        kernel reads the edge rows where they lie instead of a copy of them. The call itself
+        otherwise (two-sided windows, whose edges include each chunk's tail)."""
+        window = self.halo_window(c)
+        if call.rows != "edges" or window is None or window[1] != 0:
+            return call
+        left = window[0]
+        assert call.edges == ((0, left), (c, c + left)) and call.vis is not None
+        vis = fold_visibility(call.vis, left, left, batch)
+        return dataclasses.replace(call, rows="chunk_heads", keys="moved_fold", vis=vis)
 
     def _own_positions(self, c: int, rank):
         """Global positions of the rank's 2c rows: chunk r, then chunk 2R-1-r (increasing)."""
@@ -341,7 +366,7 @@ class RankPlan:
     @staticmethod
     def take_rows(call: Call, x):
         """The call's query rows of ``x [B, 2c, ...]`` (queries, outputs, their cotangents)."""
-        if call.rows == "fold":
+        if call.rows in ("fold", "chunk_heads"):  # chunk_heads: the call reads the first rows
             return fold(x)
         if call.rows == "edges_fold":
             return _flip(fold(RankPlan.at_edges(call, x)))
@@ -352,6 +377,8 @@ class RankPlan:
         """The call's rows of a log-sum-exp ``[B, N, 2c]``."""
         if call.rows == "fold":
             return fold_lse(lse)
+        if call.rows == "chunk_heads":
+            return fold_lse(RankPlan.at_edges(call, lse, axis=-1))
         if call.rows == "edges_fold":
             return _flip(fold_lse(RankPlan.at_edges(call, lse, axis=-1)), -1)
         return _far(lse, -1) if call.rows == "far" else RankPlan.at_edges(call, lse, axis=-1)
@@ -360,7 +387,7 @@ class RankPlan:
     def put_rows(call: Call, x, fill):
         """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have
         (``edges``, ``edges_fold``: left compact, for ``into_rows``)."""
-        if call.rows == "fold":
+        if call.rows in ("fold", "chunk_heads"):
             return unfold(x)
         if call.rows == "edges_fold":
             return unfold(_flip(x))
@@ -370,7 +397,7 @@ class RankPlan:
     def put_lse(call: Call, lse):
         """The call's log-sum-exp as ``[B, N, 2c]`` (-inf in the rows it does not have; ``edges``:
         left compact)."""
-        if call.rows == "fold":
+        if call.rows in ("fold", "chunk_heads"):
             return unfold_lse(lse)
         if call.rows == "edges_fold":
             return unfold_lse(_flip(lse, -1))
@@ -380,20 +407,13 @@ class RankPlan:
     def at_edges(call: Call, x, axis: int = 1):
         """An edge rows call's (``edges``, ``edges_fold``) rows of ``x [.., 2c, ..]``, joined;
         ``x`` itself for any other call (whose results ``put_rows`` brings back over all 2c rows)."""
-        return _take_segments(x, call.edges, axis) if call.edges else x
+        return take_segments(x, call.edges, axis) if call.edges else x
 
     @staticmethod
     def into_rows(call: Call, full, rows, axis: int = 1):
         """``full [.., 2c, ..]`` with an edge rows call's compact ``rows`` written at its segments
         (in place: static slices); ``rows`` itself for any other call."""
-        if not call.edges:
-            return rows
-        at = 0
-        for start, stop in call.edges:
-            piece = jax.lax.slice_in_dim(rows, at, at + stop - start, axis=axis)
-            full = jax.lax.dynamic_update_slice_in_dim(full, piece, start, axis=axis % full.ndim)
-            at += stop - start
-        return full
+        return put_segments(full, rows, call.edges, axis) if call.edges else rows
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -402,6 +422,8 @@ class RankPlan:
         ``[B, S, ...]`` ones (for ``moved``: the rows the window's transfer brought)."""
         if call.keys in ("own", "moved"):
             return own if call.keys == "own" else gathered
+        if call.keys == "moved_fold":
+            return fold(gathered)
         if call.keys == "halo_fold":
             return _flip(self._halo_keys(own, gathered, rank))
         if call.keys == "before":
@@ -416,7 +438,7 @@ class RankPlan:
         """The call's key (or value) gradients as the rank's own ``[B, 2c, ...]`` (local calls) or
         over the gathered ``[B, S, ...]`` (remote calls, zero where the call read no key), or over
         the moved rows ``[B, L, ...]``."""
-        if call.keys in ("own_fold", "gathered_fold"):
+        if call.keys in ("own_fold", "gathered_fold", "moved_fold"):
             return unfold(g)
         if call.keys == "halo_fold":  # over the moved rows; rank R-1's own tail goes to own_key_grads
             g = _entries(_flip(g))
@@ -569,10 +591,21 @@ def _pair_up(first, second):
     return jnp.stack([first, second], axis=1).reshape(-1, *first.shape[1:])
 
 
-def _take_segments(x, segments, axis: int):
-    """The ``segments`` of ``x`` along ``axis``, joined."""
+def take_segments(x, segments, axis: int = 1):
+    """The ``segments`` ``[start, stop)`` of ``x`` along ``axis``, joined."""
     pieces = [jax.lax.slice_in_dim(x, a, b, axis=axis % x.ndim) for a, b in segments]
     return jnp.concatenate(pieces, axis=axis)
+
+
+def put_segments(full, rows, segments, axis: int = 1):
+    """``full`` with the joined ``rows`` (``take_segments``' form) written back at ``segments``,
+    in place (static slices)."""
+    at = 0
+    for start, stop in segments:
+        piece = jax.lax.slice_in_dim(rows, at, at + stop - start, axis=axis % rows.ndim)
+        full = jax.lax.dynamic_update_slice_in_dim(full, piece, start, axis=axis % full.ndim)
+        at += stop - start
+    return full
 
 
 def _far(x, axis: int = 1):
@@ -605,6 +638,21 @@ def _chunked(x, parts: int):
 def fold(x):
     """[B, 2c, ...] -> [2B, c, ...] (entries b-major: chunk r then chunk 2R-1-r of each row)."""
     return _chunked(x, 2).reshape(-1, x.shape[1] // 2, *x.shape[2:])
+
+
+def fold_visibility(vis: Visibility, rows: int, keys: int, batch: int) -> Visibility:
+    """A Visibility of two blocks that do not see each other (rows ``[Bp, 2 rows]``, keys
+    ``[2 keys]``: the first rows see only the first keys, the others only the others) as one of
+    the blocks folded into the batch, ``[2Bp, rows]`` x ``[keys]``, b-major as ``fold``; tiled
+    to ``2 * batch`` entries where one is shared by the batch (a kernel takes 1 or B)."""
+
+    def side(lo, hi, n: int):
+        bp = lo.shape[0]
+        offset = jnp.asarray([0, n], I32)[None, :, None]
+        lo, hi = (jnp.clip(x.reshape(bp, 2, -1) - offset, 0, n).reshape(2 * bp, -1) for x in (lo, hi))
+        return (jnp.tile(lo, (batch, 1)), jnp.tile(hi, (batch, 1))) if bp == 1 < batch else (lo, hi)
+
+    return Visibility(*side(vis.row_lo, vis.row_hi, keys), *side(vis.col_lo, vis.col_hi, rows))
 
 
 def unfold(x):

@@ -24,7 +24,8 @@ For a window whose sides fit in a chunk (``RankPlan.halo_window``) the transfer 
 (``Transfer.halo`` / ``return_halo``): only the neighbouring chunks' edge rows travel, in the same
 places (beside the local part, the return beside the local backward, pipelined over head groups
 the same way), and the remote part runs against them for the chunks' edge rows alone
-(``plan.edge_rows``), whose results are merged into the local part's in place.
+(``plan.edge_rows``), whose results are merged into the local part's in place; the returned
+dK/dV are added to the local part's in the rows the neighbours saw alone, in place.
 
 The calls themselves come from ``plan.py`` as data; this module only runs them.
 """
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels
-from .plan import Call, RankPlan
+from .plan import Call, RankPlan, edge_rows, put_segments, take_segments
 from .rounding import rounded
 
 F32 = jnp.float32
@@ -283,7 +284,25 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     ]
     call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
     dq = plan.into_rows(call, dq_l, total(q, _join(dqs, axis=2), plan.at_edges(call, dq_l)))
+    returned_rows = _returned_rows(cfg, q.shape[1] // 2) if own[0] is None else None
+    if returned_rows is not None:  # the returned halo gradients are 0 elsewhere: add these rows alone
+        at = lambda x: take_segments(x, returned_rows)
+        dk = put_segments(dk_l, total(k, at(dk_back), at(dk_l)), returned_rows)
+        dv = put_segments(dv_l, total(v, at(dv_back), at(dv_l)), returned_rows)
+        return dq, dk, dv, None, None
     return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None
+
+
+def _returned_rows(cfg: Config, c: int):
+    """The rows of the rank's own keys that a halo's return can give a gradient to (each chunk's
+    last ``left`` and first ``right`` rows, which its neighbours see: ``edge_rows`` with the
+    sides swapped), or None where it may give one to every row (no halo, or the rows cover all).
+    The sum with the local dK/dV then touches these rows alone, in place."""
+    window = cfg.plan.halo_window(c)
+    if window is None:
+        return None
+    rows = edge_rows(c, window[1], window[0])
+    return None if rows == ((0, 2 * c),) else rows
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

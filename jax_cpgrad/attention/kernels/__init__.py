@@ -98,13 +98,23 @@ def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_l
 
 
 def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float):
-    """(out, lse) of a masked call of ``impl``."""
+    """(out, lse) of a masked call of ``impl`` (of q's first ``vis.q_len`` rows)."""
+    (q,) = _call_rows(impl, vis, q)
     return firm(_entry(impl, "masked_forward")(q, k, v, vis, scale=scale))
 
 
 def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: float):
     """(dq, dk, dv) of a masked call whose merged output and log-sum-exp are o and lse."""
+    q, o, do = _call_rows(impl, vis, q, o, do)
     return firm(_entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale))
+
+
+def _call_rows(impl: str, vis: Visibility, *xs):
+    """``xs`` as the kernel takes them: whole where it reads a call's first rows in place
+    (``rows_in_place``), else their first ``vis.q_len`` rows."""
+    if by_name(impl).rows_in_place:
+        return xs
+    return tuple(x if x.shape[1] == vis.q_len else x[:, : vis.q_len] for x in xs)
 
 
 # Without a causal mask, the G = N // K query heads that share a key head can be taken as G x T

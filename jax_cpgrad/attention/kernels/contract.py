@@ -20,7 +20,10 @@ Two kinds of call:
   describes: per query row the key indices ``[row_lo, row_hi)`` it sees, per key the query
   indices ``[col_lo, col_hi)`` that see it, leading dimension 1 or B):
   ``forward(q, k, v, vis, *, scale) -> (out, lse)`` and
-  ``backward(q, k, v, out, lse, d_out, vis, *, scale) -> (dq, dk, dv)``.
+  ``backward(q, k, v, out, lse, d_out, vis, *, scale) -> (dq, dk, dv)``. q, out and d_out may
+  hold more rows than ``vis`` (T = ``vis.q_len``): the call is that of their first T rows, and
+  its out, lse and dq have T rows. A kernel with ``rows_in_place`` reads them where they lie;
+  the others are given the first T rows (``kernels.masked_forward``).
 
 Every kernel, both kinds: a row that sees no key has lse = -inf and output 0, and its gradients
 (and those of keys no row sees) are 0, whatever it would compute there; dq, dk, dv come back in
@@ -62,6 +65,8 @@ class Kernel:
     where: str = ""
     # Plain causal/full attention given to the masked calls (a kernel with masked calls only).
     plain_as_masked: bool = False
+    # Masked calls read the first rows of a longer q, out and d_out in place (else a copy).
+    rows_in_place: bool = False
     # Taken by implementation=None (where it can run); False: only when asked for by name.
     by_default: bool = True
     # Plain causal calls take a left window (``window=``): the layer then runs a causal window

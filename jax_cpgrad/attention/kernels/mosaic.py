@@ -45,4 +45,5 @@ KERNEL = Kernel(
     refuses=refuses,
     where="on sm_90 GPUs",
     plain_as_masked=True,
+    rows_in_place=True,
 )

@@ -12,11 +12,13 @@ here it costs the dQ kernels 12-13 us, and the rank's busy GPU time fell 1.7% (r
 12).
 
 **The work.** Lengths are padded to the tiles in the wrapper (padded query rows see nothing and
-have dO = 0; padded keys are seen by nobody). ``tile_plan.tile_ranges`` turns the mask's
-intervals (``masks.Visibility``) into, for each outer tile, the inner tiles it visits
-``[lo, hi)`` and the unmasked ones ``[full_lo, full_hi)``; the element mask (row t sees keys
-``[row_lo[t], row_hi[t])``, key l is seen by queries ``[col_lo[l], col_hi[l])``) is applied
-only outside the unmasked range. Programs are launched heaviest tile first (``order``).
+have dO = 0; padded keys are seen by nobody). As in the forward, q, out and d_out may hold more
+rows than ``vis`` describes: the call takes their first ``vis.q_len`` rows, read in place.
+``tile_plan.tile_ranges`` turns the mask's intervals (``masks.Visibility``) into, for each outer
+tile, the inner tiles it visits ``[lo, hi)`` and the unmasked ones ``[full_lo, full_hi)``; the
+element mask (row t sees keys ``[row_lo[t], row_hi[t])``, key l is seen by queries
+``[col_lo[l], col_hi[l])``) is applied only outside the unmasked range. Programs are launched
+heaviest tile first (``order``).
 
 - **dQ** (``_dq_kernel``): one program per (query tile of ``consumers * block_q`` rows, query
   head, batch entry), first delta = rowsum(dO * O), then over the key tiles of the row plan:
@@ -94,7 +96,7 @@ from .. import tile_plan
 from ..masks import Visibility
 from ..mesh_axes import varying_like
 from . import config as config_lib
-from .forward import read_scalar
+from .forward import leading_rows, read_scalar
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -442,7 +444,8 @@ def check(q, k, v, out, lse, d_out, vis, config: BackwardConfig) -> None:
     as the forward checks them; out, d_out and lse shaped after q; the head dims of the backward;
     its shared memory)."""
     config_lib.check(q, k, v, vis, config_lib.default_config(q.shape[-1] if q.ndim == 4 else 0))
-    B, T, N, H = q.shape
+    B, _, N, H = q.shape
+    T = vis.q_len  # q's first T rows (the forward's check: no more than q holds)
     _check_head_dim(H)
     if out.shape != q.shape or d_out.shape != q.shape:
         raise ValueError(
@@ -481,18 +484,19 @@ def backward(
     check(q, k, v, out, lse, d_out, vis, config)
     if jax.default_backend() == "gpu":
         config_lib.check_device()
-    B, T, N, H = q.shape
+    B, _, N, H = q.shape
+    T = vis.q_len  # q, out and d_out may hold more rows: the call takes their first T
     L, K = k.shape[1:3]
     bq, bk, S = config.block_q, config.block_k, config.num_stages
     via_smem = config.operands_via_smem
-    Cq, Ck = consumers_of(config, q.shape, k.shape, config_lib.sm_count())  # dQ's, dK/dV's
+    Cq, Ck = consumers_of(config, (B, T, N), k.shape, config_lib.sm_count())  # dQ's, dK/dV's
     # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
     Tp, Lp = tile_plan.cdiv(T, Cq * bq) * Cq * bq, tile_plan.cdiv(L, Ck * bk) * Ck * bk
     dtype = q.dtype
 
     # the base-2 lse in XLA; a row that sees nothing: lse +inf, so P = 0 (delta is the dQ kernel's)
     lse2 = _pad(jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * F32(LOG2E)), 2, Tp, jnp.inf)
-    qp, dop, outp = _pad(q, 1, Tp), _pad(d_out.astype(dtype), 1, Tp), _pad(out, 1, Tp)
+    qp, dop, outp = (leading_rows(x, T, Tp) for x in (q, d_out.astype(dtype), out))
     kp, vp = _pad(k, 1, Lp), _pad(v, 1, Lp)
     row_lo, row_hi = (_pad(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
     col_lo, col_hi = (_pad(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))

@@ -144,6 +144,12 @@ def check(q, k, v, vis, config: Config) -> None:
         )
     check_head_dim(H)
     L = k.shape[1]
+    if vis.row_lo.ndim == 2:  # the call's rows: q's first T (q may hold more, read in place)
+        T = vis.row_lo.shape[1]
+        if T > q.shape[1]:
+            raise ValueError(
+                f"implementation='mosaic': vis describes {T} query rows, more than q's {q.shape[1]}"
+            )
     for name, length, letter in (
         ("row_lo", T, "T"),
         ("row_hi", T, "T"),

@@ -1,6 +1,7 @@
 """The attention forward as one Pallas Mosaic GPU kernel for Hopper (sm_90), FlashAttention-3 style.
 
-``forward(q, k, v, vis, *, scale, config=None) -> (out, lse)``: q ``[B, T, N, H]``, k and v
+``forward(q, k, v, vis, *, scale, config=None) -> (out, lse)``: q ``[B, T, N, H]`` (or more rows:
+below), k and v
 ``[B, L, K, H]`` (K divides N; query head n reads key head ``n // (N // K)``), ``vis`` a
 :class:`~jax_cpgrad.attention.masks.Visibility`. ``out [B, T, N, H]`` in q's dtype, ``lse
 [B, N, T]`` float32 in natural log; a row that sees no key gets out 0 and lse -inf.
@@ -59,6 +60,10 @@ tests.
 is still -inf, so a row that has seen nothing yet keeps ``alpha = p = 0`` instead of NaN, and a
 row that saw nothing at all ends with ``l = 0``: out 0 and lse -inf.
 
+**Rows read in place.** ``q`` may hold more rows than ``vis`` describes (``T = vis.q_len``):
+the call takes the first T rows of each batch entry and returns T rows, reading q where it lies
+(the layer's halo call takes each chunk's first rows this way, with no copy).
+
 **Lengths** not a multiple of the tiles are padded in the wrapper: padded query rows see
 nothing (``row_lo = row_hi = 0``), padded keys are seen by no row; both are sliced off.
 
@@ -96,6 +101,15 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, pads, constant_values=value)
 
 
+def leading_rows(x, rows: int, padded: int):
+    """``x [B, R, ...]`` as a kernel operand whose first ``rows`` rows along axis 1 are read in
+    whole tiles up to ``padded``: ``x`` itself where it holds ``padded`` rows or more (read in
+    place, the rest never loaded), else its first ``rows`` padded with zeros."""
+    if x.shape[1] >= padded:
+        return x
+    return _pad_axis(x if x.shape[1] == rows else x[:, :rows], 1, padded)
+
+
 def read_scalar(ref, *index):
     """``ref[index]``, a scalar of the plan (a tile index or a loop bound) read from GMEM inside a
     kernel, typed like every other value the kernel computes.
@@ -123,20 +137,21 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     config_lib.check(q, k, v, vis, config)
     if jax.default_backend() == "gpu":
         config_lib.check_device()
-    T, L = q.shape[1], k.shape[1]
+    T, L = vis.q_len, k.shape[1]  # q may hold more rows: the call takes its first T
     tile_q, block_k = config.tile_q, config.block_k
     Tp, Lp = _round_up(T, tile_q), _round_up(L, block_k)
     row_lo = _pad_axis(jnp.asarray(vis.row_lo, jnp.int32), 1, Tp)
     row_hi = _pad_axis(jnp.asarray(vis.row_hi, jnp.int32), 1, Tp)
     ranges = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
     plan = [ranges.order, ranges.lo, ranges.full_lo, ranges.full_hi, ranges.hi]
-    padded = [_pad_axis(q, 1, Tp), _pad_axis(k, 1, Lp), _pad_axis(v, 1, Lp), row_lo, row_hi]
+    padded = [leading_rows(q, T, Tp), _pad_axis(k, 1, Lp), _pad_axis(v, 1, Lp), row_lo, row_hi]
     out, lse = _call(*padded, *(a.astype(jnp.int32) for a in plan), scale=float(scale), config=config)
     return out[:, :T], lse[:, :, :T]
 
 
 def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, config):
-    B, Tp, N, H = q.shape
+    B, _, N, H = q.shape
+    Tp = row_lo.shape[1]  # the call's rows, padded to the tile (q may hold more)
     num_kv_heads = k.shape[2]
     dtype = q.dtype
     bq, bk, S, C = config.block_q, config.block_k, config.num_stages, config.consumers
