@@ -129,9 +129,13 @@ def top_kernels(f, args, steps: int = 3, count: int = 12) -> list[tuple[str, flo
     planes = gpu_kernels(f, args, steps)
     if "error" in planes:
         return []
-    events = [e for streams in planes.values() for evs in streams.values() for e in evs]
-    ranked = sorted(per_kernel(events, steps).items(), key=lambda kv: -kv[1][0])[:count]
+    ranked = sorted(per_kernel(all_events(planes), steps).items(), key=lambda kv: -kv[1][0])[:count]
     return [(name, us, launches // steps) for name, (us, launches) in ranked]
+
+
+def all_events(planes: dict) -> list[tuple[str, int, int]]:
+    """Every kernel event of :func:`gpu_kernels`' planes, every GPU's and stream's together."""
+    return [e for streams in planes.values() for events in streams.values() for e in events]
 
 
 def per_kernel(events, steps: int) -> dict[str, tuple[float, int]]:

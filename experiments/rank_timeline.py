@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -63,7 +64,7 @@ def timeline(f, args, steps: int) -> dict:
     planes = step_profile.gpu_kernels(f, args, steps)
     if "error" in planes:
         return dict(error=planes["error"])
-    events = [e for streams in planes.values() for evs in streams.values() for e in evs]
+    events = step_profile.all_events(planes)
     by_name = step_profile.per_kernel(events, steps)
     by_kind: dict[str, float] = {}
     for name, (us, _) in by_name.items():
@@ -129,9 +130,19 @@ def main(argv=None) -> int:
                     )
                 )
                 args = (*data, jnp.int32(n - 1))
+                started = time.perf_counter()  # the first call: trace, compile, run
                 jax.block_until_ready(f(*args))
+                first_call_s = time.perf_counter() - started
                 t = back_to_back(f, args, opts.reading_s)
-                row = dict(case=case, implementation=impl, n=n, seq=opts.seq, ms=t * 1e3, bwd_config=changes)
+                row = dict(
+                    case=case,
+                    implementation=impl,
+                    n=n,
+                    seq=opts.seq,
+                    ms=t * 1e3,
+                    bwd_config=changes,
+                    first_call_s=first_call_s,
+                )
                 row |= timeline(f, args, steps=3)
                 if opts.hlo:
                     os.makedirs(opts.hlo, exist_ok=True)
@@ -141,7 +152,7 @@ def main(argv=None) -> int:
                 kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row.get("by_kind_us", {}).items()))
                 print(
                     f"{case} {impl} {changes or ''} S={human_tokens(opts.seq)} R={n} rank {n - 1}: "
-                    f"{t * 1e3:.3f} ms a call; "
+                    f"{t * 1e3:.3f} ms a call (the first {first_call_s:.1f} s); "
                     f"{row.get('launches', 0):.0f} launches, busy {row.get('busy_us', 0):.0f} us; {kinds}",
                     flush=True,
                 )

@@ -615,12 +615,12 @@ def test_a_rank_with_a_halo_against_xla(gpu):
     data = [jax.random.normal(key, shape, F32) for key, shape in zip(keys, shapes, strict=True)]
 
     def grads(impl, dtype, rank):
-        def loss(q, k, v, ct):
+        def loss(q, k, v, ct, rank):  # the rank traced, as the layer's axis index is
             out = rank_without_transfer(q, k, v, rank, R, local_window_size=window, implementation=impl)
             return jnp.sum(out.astype(F32) * ct.astype(F32))
 
         f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        loss_value, g = jax.block_until_ready(f(*(x.astype(dtype) for x in data)))
+        loss_value, g = jax.block_until_ready(f(*(x.astype(dtype) for x in data), jnp.int32(rank)))
         return (loss_value, *g)
 
     for rank in (0, 1, R - 1):

@@ -96,7 +96,7 @@ from .. import tile_plan
 from ..masks import Visibility
 from ..mesh_axes import varying_like
 from . import config as config_lib
-from .forward import leading_rows, read_scalar
+from .forward import leading_rows, pad_axis, read_scalar
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -465,12 +465,6 @@ def check(q, k, v, out, lse, d_out, vis, config: BackwardConfig) -> None:
         )
 
 
-def _pad(x, axis, length, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def backward(
     q, k, v, out, lse, d_out, vis: Visibility, *, scale: float, config: BackwardConfig | None = None
 ):
@@ -495,11 +489,11 @@ def backward(
     dtype = q.dtype
 
     # the base-2 lse in XLA; a row that sees nothing: lse +inf, so P = 0 (delta is the dQ kernel's)
-    lse2 = _pad(jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * F32(LOG2E)), 2, Tp, jnp.inf)
+    lse2 = pad_axis(jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * F32(LOG2E)), 2, Tp, jnp.inf)
     qp, dop, outp = (leading_rows(x, T, Tp) for x in (q, d_out.astype(dtype), out))
-    kp, vp = _pad(k, 1, Lp), _pad(v, 1, Lp)
-    row_lo, row_hi = (_pad(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
-    col_lo, col_hi = (_pad(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
+    kp, vp = pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
+    row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
+    col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
     rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
     cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
     plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)

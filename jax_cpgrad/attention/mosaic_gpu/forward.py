@@ -93,7 +93,8 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
+def pad_axis(x, axis: int, size: int, value=0):
+    """x padded with ``value`` to ``size`` along ``axis``."""
     if x.shape[axis] == size:
         return x
     pads = [(0, 0)] * x.ndim
@@ -107,7 +108,7 @@ def leading_rows(x, rows: int, padded: int):
     place, the rest never loaded), else its first ``rows`` padded with zeros."""
     if x.shape[1] >= padded:
         return x
-    return _pad_axis(x if x.shape[1] == rows else x[:, :rows], 1, padded)
+    return pad_axis(x if x.shape[1] == rows else x[:, :rows], 1, padded)
 
 
 def read_scalar(ref, *index):
@@ -140,11 +141,11 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     T, L = vis.q_len, k.shape[1]  # q may hold more rows: the call takes its first T
     tile_q, block_k = config.tile_q, config.block_k
     Tp, Lp = _round_up(T, tile_q), _round_up(L, block_k)
-    row_lo = _pad_axis(jnp.asarray(vis.row_lo, jnp.int32), 1, Tp)
-    row_hi = _pad_axis(jnp.asarray(vis.row_hi, jnp.int32), 1, Tp)
+    row_lo = pad_axis(jnp.asarray(vis.row_lo, jnp.int32), 1, Tp)
+    row_hi = pad_axis(jnp.asarray(vis.row_hi, jnp.int32), 1, Tp)
     ranges = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
     plan = [ranges.order, ranges.lo, ranges.full_lo, ranges.full_hi, ranges.hi]
-    padded = [leading_rows(q, T, Tp), _pad_axis(k, 1, Lp), _pad_axis(v, 1, Lp), row_lo, row_hi]
+    padded = [leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp), row_lo, row_hi]
     out, lse = _call(*padded, *(a.astype(jnp.int32) for a in plan), scale=float(scale), config=config)
     return out[:, :T], lse[:, :, :T]
 
