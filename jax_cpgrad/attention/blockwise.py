@@ -96,9 +96,15 @@ def _grid(fn, b: int, tiled, shared):
     return jax.vmap(per_tile)(*tiled, *shared)
 
 
-def _plan(lo_rows, hi_rows, outer: int, inner: int, inner_len: int):
-    r = tile_plan.tile_ranges(lo_rows, hi_rows, outer_block=outer, inner_block=inner, inner_len=inner_len)
-    return r.lo, r.full_lo, r.full_hi, r.hi
+def _plan(vis: masks.Visibility, side: str, outer: int, inner: int, inner_len: int):
+    """The tile plan of ``vis``'s rows (``side="row"``) or columns ("col")."""
+
+    def plan_of(vis):
+        lo, hi = getattr(vis, f"{side}_lo"), getattr(vis, f"{side}_hi")
+        r = tile_plan.tile_ranges(lo, hi, outer_block=outer, inner_block=inner, inner_len=inner_len)
+        return r.lo, r.full_lo, r.full_hi, r.hi
+
+    return vis.derive(plan_of, ("blockwise", side, outer, inner, inner_len))
 
 
 def _blocks(q, k, block_q: int, block_k: int):
@@ -114,7 +120,7 @@ def forward(q, k, v, vis: masks.Visibility, *, scale: float, block_q: int = 128,
     l_len, kh = k.shape[1], k.shape[2]
     g = n // kh
     bq, bk = _blocks(q, k, block_q, block_k)
-    plan = _plan(vis.row_lo, vis.row_hi, bq, bk, l_len)
+    plan = _plan(vis, "row", bq, bk, l_len)
     q_tiles = _tiles(q.reshape(b, t, kh, g, h), bq)  # [B, nq, bq, K, G, H]
     rows = _row_tiles(vis.row_lo, bq), _row_tiles(vis.row_hi, bq)  # [Bp, nq, bq]
     k_tiles, v_tiles = _tiles(k, bk), _tiles(v, bk)  # [B, nk, bk, K, H]
@@ -204,7 +210,7 @@ def backward(
             (q_t, do_t, lse_t, delta_t, row_lo, row_hi, k_all, v_all),
         )
 
-    q_plan = _plan(vis.row_lo, vis.row_hi, bq, bk, l_len)
+    q_plan = _plan(vis, "row", bq, bk, l_len)
     rows = _row_tiles(vis.row_lo, bq), _row_tiles(vis.row_hi, bq)
     dq = _grid(
         one_query_tile, b, (*q_plan, q_tiles, do_tiles, lse_tiles, delta_tiles, *rows), (k_tiles, v_tiles)
@@ -227,7 +233,7 @@ def backward(
             (k_t, v_t, col_lo, col_hi, q_all, do_all, lse_all, delta_all),
         )
 
-    k_plan = _plan(vis.col_lo, vis.col_hi, bk, bq, t)
+    k_plan = _plan(vis, "col", bk, bq, t)
     cols = _row_tiles(vis.col_lo, bk), _row_tiles(vis.col_hi, bk)
     dk, dv = _grid(
         one_key_tile, b, (*k_plan, k_tiles, v_tiles, *cols), (q_tiles, do_tiles, lse_tiles, delta_tiles)

@@ -28,10 +28,14 @@ without.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import per_rank
 
 I32 = jnp.int32
 # Positions and window bounds are clipped here, so that p - left and p + right stay in int32.
@@ -187,6 +191,10 @@ class Visibility:
     row_hi: jax.Array  # [Bp, T]
     col_lo: jax.Array  # [Bp, L]
     col_hi: jax.Array  # [Bp, L]
+    # One rank's Visibility of a mask that depends on the rank alone (no documents): every rank's
+    # (``per_rank.Table``) and this one's index, from which :meth:`derive` looks values up.
+    rank: Any = None
+    by_rank: per_rank.Table | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def q_len(self) -> int:
@@ -199,6 +207,33 @@ class Visibility:
     def dense(self):
         """bool ``[Bp, T, L]``, the same relation as :func:`visible`."""
         return interval_mask(self.row_lo, self.row_hi, self.k_len)
+
+    def derive(self, fn: Callable[[Visibility], Any], key: Hashable):
+        """``fn(self)``: what a kernel makes of the mask (its tile plan), a pytree of arrays.
+        Where this is one rank's Visibility of a mask of the rank alone (``by_rank``), ``fn``
+        runs for every rank's at trace time and the program looks this rank's up
+        (``per_rank.py``; ``key`` names what ``fn`` depends on besides the mask, for its cache);
+        on concrete intervals it runs at trace time too."""
+        table = self.by_rank
+        if table is None:
+            with jax.ensure_compile_time_eval():
+                return fn(self)
+        cache_key = None if table.key is None else (table.key, key)
+        return per_rank.tabulate(lambda r: fn(table.values[r]), self.rank, table.num_ranks, cache_key)[0]
+
+
+def with_ranks(tree, table: per_rank.Table, rank):
+    """``tree`` (one rank's value of ``table``, ``per_rank.tabulate``'s) with each of its
+    Visibility given every rank's and the rank's index, for :meth:`Visibility.derive`."""
+    is_vis = lambda x: isinstance(x, Visibility)
+
+    def attach(path, vis, *each):
+        if not is_vis(vis):
+            return vis
+        key = None if table.key is None else (table.key, jax.tree_util.keystr(path))
+        return dataclasses.replace(vis, rank=rank, by_rank=per_rank.Table(each, key))
+
+    return jax.tree_util.tree_map_with_path(attach, tree, *table.values, is_leaf=is_vis)
 
 
 def visibility(mask: Mask, q_pos, k_pos, q_run=None, k_run=None) -> Visibility:

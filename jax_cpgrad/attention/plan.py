@@ -87,8 +87,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import halo, window_chunks
-from .masks import Mask, Visibility, run_ids, visibility
+from . import halo, per_rank, window_chunks
+from .masks import Mask, Visibility, run_ids, visibility, with_ranks
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -234,7 +234,17 @@ class RankPlan:
 
     def calls(self, q, rank, words=None) -> Calls:
         """The rank's calls for its queries ``q [B, 2c, N, H]``; ``words``: the segment ids of the
-        whole sequence in natural order, as int32 words ``[B, S, W]`` (``id_words``), or None."""
+        whole sequence in natural order, as int32 words ``[B, S, W]`` (``id_words``), or None.
+        Without documents they depend on the rank's index alone: computed for every rank at
+        trace time and looked up (``per_rank.py``), their masks carrying every rank's for the
+        kernels' plans (``Visibility.derive``)."""
+        if words is not None:
+            return self._calls(q, rank, words)
+        key = ("calls", self, q.shape)
+        calls, table = per_rank.tabulate(lambda r: self._calls(q, r), rank, self.num_ranks, key)
+        return calls if table is None else with_ranks(calls, table, rank)
+
+    def _calls(self, q, rank, words=None) -> Calls:
         if self.masked:
             return self._masked_calls(q.shape[1] // 2, rank, words, q.shape[0])
         if self.window_as_plain:

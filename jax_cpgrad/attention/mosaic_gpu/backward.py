@@ -492,15 +492,21 @@ def backward(
     lse2 = pad_axis(jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * F32(LOG2E)), 2, Tp, jnp.inf)
     qp, dop, outp = (leading_rows(x, T, Tp) for x in (q, d_out.astype(dtype), out))
     kp, vp = pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
-    row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
-    col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
-    rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
-    cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
+
+    def plans_of(vis):
+        """The kernels' mask operands: the padded intervals and the tile plans, rows' and columns'."""
+        row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
+        col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
+        rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
+        cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
+        return (row_lo, row_hi, *plan(rows)), (col_lo, col_hi, *plan(cols))
+
     plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)
+    row_operands, col_operands = vis.derive(plans_of, ("backward", Tp, Lp, Cq, bq, Ck, bk))
 
     kw = dict(
         block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
-        per_batch_plan=row_lo.shape[0] > 1, via_smem=via_smem,
+        per_batch_plan=vis.row_lo.shape[0] > 1, via_smem=via_smem,
     )  # fmt: skip
     transforms = _smem_transforms(dtype)
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
@@ -537,13 +543,13 @@ def backward(
         bars(4 * Ck), bars(S), bars(S), bars(S), bars(S), freed(Ck, S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
-    dq_operands = (qp, kp, vp, dop, outp, lse2, row_lo, row_hi, *plan(rows))
+    dq_operands = (qp, kp, vp, dop, outp, lse2, *row_operands)
     dq, delta = launch(
         _dq_kernel, Cq, (jax.ShapeDtypeStruct((B, Tp, N, H), dtype), jax.ShapeDtypeStruct((B, N, Tp), F32)),
         dq_scratch, (N, B, Tp // (Cq * bq)), dq_operands,
     )  # fmt: skip
     dq, delta = varying_like((dq, delta), dq_operands)
-    dkv_operands = (qp, kp, vp, dop, lse2, delta, col_lo, col_hi, *plan(cols))
+    dkv_operands = (qp, kp, vp, dop, lse2, delta, *col_operands)
     dk, dv = launch(
         _dkv_kernel, Ck, (jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2, dkv_scratch,
         (K, B, Lp // (Ck * bk)), dkv_operands,

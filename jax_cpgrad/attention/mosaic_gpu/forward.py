@@ -141,12 +141,17 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     T, L = vis.q_len, k.shape[1]  # q may hold more rows: the call takes its first T
     tile_q, block_k = config.tile_q, config.block_k
     Tp, Lp = _round_up(T, tile_q), _round_up(L, block_k)
-    row_lo = pad_axis(jnp.asarray(vis.row_lo, jnp.int32), 1, Tp)
-    row_hi = pad_axis(jnp.asarray(vis.row_hi, jnp.int32), 1, Tp)
-    ranges = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
-    plan = [ranges.order, ranges.lo, ranges.full_lo, ranges.full_hi, ranges.hi]
-    padded = [leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp), row_lo, row_hi]
-    out, lse = _call(*padded, *(a.astype(jnp.int32) for a in plan), scale=float(scale), config=config)
+
+    def plan_of(vis):
+        """The kernel's mask operands: the padded row intervals, then the tile plan."""
+        row_lo, row_hi = (pad_axis(jnp.asarray(x, jnp.int32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
+        r = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
+        return row_lo, row_hi, r.order, r.lo, r.full_lo, r.full_hi, r.hi
+
+    padded = [leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)]
+    out, lse = _call(
+        *padded, *vis.derive(plan_of, ("forward", Tp, Lp, tile_q, block_k)), scale=float(scale), config=config
+    )
     return out[:, :T], lse[:, :, :T]
 
 
