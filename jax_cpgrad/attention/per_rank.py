@@ -102,10 +102,12 @@ def _every_rank(fn: Callable[[int], Any], num_ranks: int) -> tuple[Any, ...] | N
 
 
 def _on_the_host():
-    """The host's CPU as the default device: the values' small integer ops compile and run there
-    in milliseconds each, where on a GPU each would compile a kernel."""
+    """This process's CPU as the default device: the values' small integer ops compile and run
+    there in milliseconds each, where on a GPU each would compile a kernel. A local device: with
+    several processes, ``jax.devices("cpu")[0]`` is process 0's, which another process cannot
+    read."""
     try:
-        return jax.default_device(jax.devices("cpu")[0])
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): the default device
         return contextlib.nullcontext()
 
