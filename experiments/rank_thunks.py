@@ -1,0 +1,154 @@
+"""What XLA makes of one rank's attention for a Hopper GPU, without a GPU: its launches by kind.
+
+Compiles a rank's fwd + bwd (``rank_without_transfer``, as ``benchmarks/attention.py`` and
+``rank_timeline.py`` read it, with our Pallas kernels) for an H100 or H200 on this machine, with
+no GPU and no driver: the CUDA PJRT plugin compiles for a device it is told of (a "compile-only"
+topology with the GPU's spec, which the plugin carries for the GPUs it knows), all the way to
+machine code. XLA's thunk sequence (``xla_dump_to``) is then the program as the GPU would run
+it: every XLA kernel, copy, custom call (our kernels) and command buffer. This backs changes to
+the small XLA work around the kernels (finding 12: a few us a launch at 2k-token chunks) before
+any GPU time: count the launches of two trees, then time the better one on a GPU.
+
+Set up once (the plugin's wheel, about 135 MB, into an ignored folder; jax's own version)::
+
+    .venv/bin/python -m pip install --no-deps --target .pjrt \
+        "jax-cuda13-pjrt==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
+
+Run (``JAX_PLATFORMS=cpu``: jax must not open the plugin as a backend, which needs a GPU)::
+
+    JAX_PLATFORMS=cpu PYTHONPATH=.pjrt .venv/bin/python experiments/rank_thunks.py \
+        --seq 32k --n 8 --cases window512 causal [--gpu h200] [--dump DIR] [--json out.json]
+
+Not compiled as on a GPU: without a device XLA cannot autotune (its GEMM and fusion tiles may
+differ), which leaves the launches' count and kinds as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from attention import fwd_bwd, human_tokens, parse_tokens  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from jax_cpgrad.attention import kernels, rank_without_transfer  # noqa: E402
+
+CASES = {"causal": None, "window512": 512, "window4096": 4096}
+# the device_description_str of the specs the plugin carries
+GPUS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
+
+
+def gpu_spec(name: str) -> str:
+    """The GpuTargetConfigProto text of GPU ``name`` (``GPUS``), read from the CUDA PJRT plugin's
+    binary, which embeds XLA's specs of the GPUs it knows (so it matches the plugin's version)."""
+    found = importlib.util.find_spec("jax_plugins.xla_cuda13")
+    if found is None or not found.submodule_search_locations:
+        raise SystemExit("no jax-cuda13-pjrt: see this file's docstring for the one-time set-up")
+    (folder,) = found.submodule_search_locations
+    with open(os.path.join(folder, "xla_cuda_plugin.so"), "rb") as fh:
+        binary = fh.read()
+    for m in re.finditer(rb"gpu_device_info \{\n", binary):
+        text = binary[m.start() : binary.index(b"\x00", m.start())].decode()
+        if f'device_description_str: "{GPUS[name]}"' in text:
+            return text
+    raise SystemExit(f"the plugin carries no spec of {GPUS[name]!r}")
+
+
+def compile_only_device(gpu: str):
+    """A device to compile for, of a one-GPU topology of ``gpu``, without a GPU."""
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name=gpu, target_config=gpu_spec(gpu), topology="1x1x1"
+    )
+    return topology.devices[0]
+
+
+def thunks(text: str) -> dict:
+    """Launches by kind from a thunk sequence's text (nested thunks counted where they run)."""
+    counts = collections.Counter()
+    xla_kernels = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*\d+: (k\w+)", line)
+        if not m:
+            continue
+        counts[m.group(1)] += 1
+        if m.group(1) == "kCustomKernel":
+            xla_kernels[line.split("]")[1].split()[0]] += 1
+    return dict(
+        xla_kernels=counts["kCustomKernel"],
+        copies=counts["kCopy"],
+        custom_calls=counts["kCustomCall"],
+        command_buffers=counts["kCommandBuffer"],
+        launches=counts["kCustomKernel"] + counts["kCopy"] + counts["kCustomCall"],
+        by_name=dict(sorted(xla_kernels.items())),
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=parse_tokens, default=32 * 1024)
+    p.add_argument("--n", type=int, nargs="+", default=[8])
+    p.add_argument("--cases", nargs="+", default=["window512", "causal"], choices=sorted(CASES))
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
+    p.add_argument("--json")
+    opts = p.parse_args(argv)
+    if jax.default_backend() != "cpu":
+        raise SystemExit("run with JAX_PLATFORMS=cpu (see the docstring)")
+    # the layer refuses our kernels off Hopper: here there is no device at all to ask
+    kernels.KERNELS = tuple(
+        dataclasses.replace(k, refuses=lambda dtype, head_dim: None) if k.name == "mosaic" else k
+        for k in kernels.KERNELS
+    )
+    sharding = SingleDeviceSharding(compile_only_device(opts.gpu))
+    rows = []
+    for case in opts.cases:
+        for n in opts.n:
+            local = opts.seq // n
+            arg = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+            args = (
+                arg(1, local, 32, 128), arg(1, local, opts.kv_heads, 128), arg(1, local, opts.kv_heads, 128),
+                arg(1, local, 32, 128), arg(dt=jnp.int32),
+            )  # fmt: skip
+            f = fwd_bwd(
+                lambda q, k, v, rank, n=n, w=CASES[case]: rank_without_transfer(
+                    q, k, v, rank, n, local_window_size=w, implementation="mosaic"
+                )
+            )
+            folder = os.path.join(opts.dump, f"{case}_n{n}") if opts.dump else tempfile.mkdtemp()
+            f.lower(*args).compile(compiler_options={"xla_dump_to": folder})
+            sequences = sorted(glob.glob(os.path.join(folder, "*thunk_sequence*.txt")))
+            # the sequence after XLA's thunk passes (command buffers) where they changed it
+            after = [s for s in sequences if "after_thunk_passes" in s] or sequences
+            with open(after[-1]) as fh:
+                row = dict(case=case, n=n, seq=opts.seq, gpu=opts.gpu) | thunks(fh.read())
+            rows.append(row)
+            print(
+                f"{case} S={human_tokens(opts.seq)} R={n} ({opts.gpu}): {row['launches']} launches: "
+                f"{row['xla_kernels']} XLA kernels, {row['copies']} copies, {row['custom_calls']} custom calls "
+                f"(our kernels); {row['command_buffers']} command buffer(s)",
+                flush=True,
+            )
+            for name, count in row["by_name"].items():
+                print(f"      x{count:<3} {name}")
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
