@@ -138,8 +138,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(
                 f"{case} S={human_tokens(opts.seq)} R={n} ({opts.gpu}): {row['launches']} launches: "
-                f"{row['xla_kernels']} XLA kernels, {row['copies']} copies, {row['custom_calls']} custom calls "
-                f"(our kernels); {row['command_buffers']} command buffer(s)",
+                f"{row['xla_kernels']} XLA kernels, {row['copies']} copies, {row['custom_calls']} custom "
+                f"calls (our kernels); {row['command_buffers']} command buffer(s)",
                 flush=True,
             )
             for name, count in row["by_name"].items():
