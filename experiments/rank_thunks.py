@@ -17,7 +17,11 @@ Set up once (the plugin's wheel, about 135 MB, into an ignored folder; jax's own
 Run (``JAX_PLATFORMS=cpu``: jax must not open the plugin as a backend, which needs a GPU)::
 
     JAX_PLATFORMS=cpu PYTHONPATH=.pjrt .venv/bin/python experiments/rank_thunks.py \
-        --seq 32k --n 8 --cases window512 causal [--gpu h200] [--dump DIR] [--json out.json]
+        --seq 32k --n 8 --cases window512 causal documents4096 [--layers 1 2] [--gpu h200] \
+        [--dump DIR] [--json out.json]
+
+``--layers L``: L calls in one program, each layer's output the next one's queries (what a model's
+step shares between its layers: masks of one configuration are computed once).
 
 Not compiled as on a GPU: without a device XLA cannot autotune (its GEMM and fusion tiles may
 differ), which leaves the launches' count and kinds as they are.
@@ -30,6 +34,7 @@ import collections
 import dataclasses
 import glob
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -40,13 +45,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from attention import fwd_bwd, human_tokens, parse_tokens  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jax_cpgrad.attention import kernels, rank_without_transfer  # noqa: E402
 
-CASES = {"causal": None, "window512": 512, "window4096": 4096}
+# name -> (window, documents' length: the sequence cut in documents of that many tokens)
+CASES = {
+    "causal": (None, None),
+    "window512": (512, None),
+    "window4096": (4096, None),
+    "documents4096": (None, 4096),
+}
 # the device_description_str of the specs the plugin carries
 GPUS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
 
@@ -102,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[8])
     p.add_argument("--cases", nargs="+", default=["window512", "causal"], choices=sorted(CASES))
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--layers", type=int, nargs="+", default=[1])
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
     p.add_argument("--json")
@@ -115,35 +128,39 @@ def main(argv=None) -> int:
     )
     sharding = SingleDeviceSharding(compile_only_device(opts.gpu))
     rows = []
-    for case in opts.cases:
-        for n in opts.n:
-            local = opts.seq // n
-            arg = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
-            args = (
-                arg(1, local, 32, 128), arg(1, local, opts.kv_heads, 128), arg(1, local, opts.kv_heads, 128),
-                arg(1, local, 32, 128), arg(dt=jnp.int32),
-            )  # fmt: skip
-            f = fwd_bwd(
-                lambda q, k, v, rank, n=n, w=CASES[case]: rank_without_transfer(
-                    q, k, v, rank, n, local_window_size=w, implementation="mosaic"
-                )
-            )
-            folder = os.path.join(opts.dump, f"{case}_n{n}") if opts.dump else tempfile.mkdtemp()
-            f.lower(*args).compile(compiler_options={"xla_dump_to": folder})
-            sequences = sorted(glob.glob(os.path.join(folder, "*thunk_sequence*.txt")))
-            # the sequence after XLA's thunk passes (command buffers) where they changed it
-            after = [s for s in sequences if "after_thunk_passes" in s] or sequences
-            with open(after[-1]) as fh:
-                row = dict(case=case, n=n, seq=opts.seq, gpu=opts.gpu) | thunks(fh.read())
-            rows.append(row)
-            print(
-                f"{case} S={human_tokens(opts.seq)} R={n} ({opts.gpu}): {row['launches']} launches: "
-                f"{row['xla_kernels']} XLA kernels, {row['copies']} copies, {row['custom_calls']} custom "
-                f"calls (our kernels); {row['command_buffers']} command buffer(s)",
-                flush=True,
-            )
-            for name, count in row["by_name"].items():
-                print(f"      x{count:<3} {name}")
+    for case, n, layers in itertools.product(opts.cases, opts.n, opts.layers):
+        local = opts.seq // n
+        arg = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+        args = (
+            arg(1, local, 32, 128), arg(1, local, opts.kv_heads, 128), arg(1, local, opts.kv_heads, 128),
+            arg(1, local, 32, 128), arg(dt=jnp.int32),
+        )  # fmt: skip
+        window, document = CASES[case]
+        ids = None if document is None else (np.arange(opts.seq)[None] // document).astype(np.int32)
+
+        def attend(q, k, v, rank, n=n, window=window, ids=ids, layers=layers):
+            for _ in range(layers):
+                options = dict(local_window_size=window, sequence_segment_ids=ids, implementation="mosaic")
+                q = rank_without_transfer(q, k, v, rank, n, **options)
+            return q
+
+        f = fwd_bwd(attend)
+        folder = os.path.join(opts.dump, f"{case}_n{n}_l{layers}") if opts.dump else tempfile.mkdtemp()
+        f.lower(*args).compile(compiler_options={"xla_dump_to": folder})
+        sequences = sorted(glob.glob(os.path.join(folder, "*thunk_sequence*.txt")))
+        # the sequence after XLA's thunk passes (command buffers) where they changed it
+        after = [s for s in sequences if "after_thunk_passes" in s] or sequences
+        with open(after[-1]) as fh:
+            row = dict(case=case, n=n, layers=layers, seq=opts.seq, gpu=opts.gpu) | thunks(fh.read())
+        rows.append(row)
+        print(
+            f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s) ({opts.gpu}): {row['launches']} "
+            f"launches: {row['xla_kernels']} XLA kernels, {row['copies']} copies, "
+            f"{row['custom_calls']} custom calls (our kernels); {row['command_buffers']} command buffer(s)",
+            flush=True,
+        )
+        for name, count in row["by_name"].items():
+            print(f"      x{count:<3} {name}")
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump(rows, fh, indent=1)
