@@ -21,7 +21,8 @@ Run (``JAX_PLATFORMS=cpu``: jax must not open the plugin as a backend, which nee
         [--dump DIR] [--json out.json]
 
 ``--layers L``: L calls in one program, each layer's output the next one's queries (what a model's
-step shares between its layers: masks of one configuration are computed once).
+step shares between its layers: masks of one configuration are computed once). ``--checkpoint``:
+each call inside ``jax.checkpoint``, as a model that recomputes its layers in the backward.
 
 Not compiled as on a GPU: without a device XLA cannot autotune (its GEMM and fusion tiles may
 differ), which leaves the launches' count and kinds as they are.
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=["window512", "causal"], choices=sorted(CASES))
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, nargs="+", default=[1])
+    p.add_argument("--checkpoint", action="store_true", help="each layer inside jax.checkpoint")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
     p.add_argument("--json")
@@ -139,9 +141,10 @@ def main(argv=None) -> int:
         ids = None if document is None else (np.arange(opts.seq)[None] // document).astype(np.int32)
 
         def attend(q, k, v, rank, n=n, window=window, ids=ids, layers=layers):
+            options = dict(local_window_size=window, sequence_segment_ids=ids, implementation="mosaic")
+            layer = lambda q, k, v, rank: rank_without_transfer(q, k, v, rank, n, **options)
             for _ in range(layers):
-                options = dict(local_window_size=window, sequence_segment_ids=ids, implementation="mosaic")
-                q = rank_without_transfer(q, k, v, rank, n, **options)
+                q = (jax.checkpoint(layer) if opts.checkpoint else layer)(q, k, v, rank)
             return q
 
         f = fwd_bwd(attend)
@@ -151,10 +154,12 @@ def main(argv=None) -> int:
         # the sequence after XLA's thunk passes (command buffers) where they changed it
         after = [s for s in sequences if "after_thunk_passes" in s] or sequences
         with open(after[-1]) as fh:
-            row = dict(case=case, n=n, layers=layers, seq=opts.seq, gpu=opts.gpu) | thunks(fh.read())
+            row = dict(case=case, n=n, layers=layers, checkpoint=opts.checkpoint, seq=opts.seq, gpu=opts.gpu)
+            row |= thunks(fh.read())
         rows.append(row)
         print(
-            f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s) ({opts.gpu}): {row['launches']} "
+            f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s){' checkpointed' * opts.checkpoint} "
+            f"({opts.gpu}): {row['launches']} "
             f"launches: {row['xla_kernels']} XLA kernels, {row['copies']} copies, "
             f"{row['custom_calls']} custom calls (our kernels); {row['command_buffers']} command buffer(s)",
             flush=True,
