@@ -47,11 +47,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from attention import fwd_bwd, human_tokens, parse_tokens  # noqa: E402
+from attention import document_ids, fwd_bwd, human_tokens, parse_tokens, rank_attention  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from jax_cpgrad.attention import kernels, rank_without_transfer  # noqa: E402
+from jax_cpgrad.attention import kernels  # noqa: E402
 
 # name -> (window, documents' length: the sequence cut in documents of that many tokens)
 CASES = {
@@ -138,11 +138,12 @@ def main(argv=None) -> int:
             arg(1, local, 32, 128), arg(dt=jnp.int32),
         )  # fmt: skip
         window, document = CASES[case]
-        ids = None if document is None else (np.arange(opts.seq)[None] // document).astype(np.int32)
+        ids = None if document is None else np.asarray(document_ids(opts.seq, document))
 
         def attend(q, k, v, rank, n=n, window=window, ids=ids, layers=layers):
-            options = dict(local_window_size=window, sequence_segment_ids=ids, implementation="mosaic")
-            layer = lambda q, k, v, rank: rank_without_transfer(q, k, v, rank, n, **options)
+            layer = lambda q, k, v, rank: rank_attention(
+                q, k, v, rank, n, ids=ids, window=window, implementation="mosaic"
+            )
             for _ in range(layers):
                 q = (jax.checkpoint(layer) if opts.checkpoint else layer)(q, k, v, rank)
             return q
