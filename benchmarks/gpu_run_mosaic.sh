@@ -44,7 +44,7 @@
 #   the backward's small grids narrowed to one consumer (the default), then not;
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
-# - patch_tests, patch_ab: an experiments patch (PATCH, default experiments/packed_plan.patch)
+# - patch_tests, patch_ab: an experiments patch (PATCH=experiments/<name>.patch, required)
 #   applied to the tree: the Mosaic GPU tests that cover a rank's calls with it (first call,
 #   planted off-by-one, two runs, halo, rows in place); then, side by side in one command, the
 #   rank's timeline at 32k, R = 8 (window 512 and causal) with it, without it and with it again,
@@ -186,7 +186,8 @@ for s in "${stages[@]}"; do
         --json "$OUT/cp_step_window.json" --png "$OUT/cp_step_window.png" $(args_of cp_step_window)
       ;;
     patch_tests | patch_ab)  # an experiments patch against the tree (see the header)
-      patch=${PATCH:-experiments/packed_plan.patch}
+      patch=${PATCH:-}
+      if [ -z "$patch" ]; then say "=== $s: set PATCH to the patch to apply"; continue; fi
       if ! git apply "$patch"; then say "=== $s: $patch does not apply to this tree"; continue; fi
       if [ "$s" = patch_tests ]; then
         stage patch_tests 330 env JAX_CPGRAD_REQUIRE_GPU=1 JAX_CPGRAD_MOSAIC_ERRORS="$OUT/mosaic_errors_patch.jsonl" \

@@ -91,8 +91,9 @@ def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False):
 
 def _kernels_in(text: str) -> dict[str, int]:
     """Mosaic GPU custom calls of an exported module by kernel, from their operand count and
-    result types: the forward (10 operands; out and the float32 lse), dQ (13 operands; dQ and
-    the float32 delta it computes for dK/dV) and dK/dV (13 operands; two 16-bit results)."""
+    result types: the forward (4 operands: q, k, v and the packed plan; out and the float32 lse),
+    dQ (7 operands; dQ and the float32 delta it computes for dK/dV) and dK/dV (7 operands; two
+    16-bit results)."""
     found = {"forward": 0, "dq": 0, "dkv": 0, "other": 0}
     for line in text.splitlines():
         m = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\).*-> (.*)", line)
@@ -100,7 +101,7 @@ def _kernels_in(text: str) -> dict[str, int]:
             continue
         operands, results = m.group(1).count("%"), re.findall(r"tensor<[^>]*>", m.group(2))
         form = (operands, len(results), results[-1].endswith("xf32>"))
-        kinds = {(10, 2, True): "forward", (13, 2, True): "dq", (13, 2, False): "dkv"}
+        kinds = {(4, 2, True): "forward", (7, 2, True): "dq", (7, 2, False): "dkv"}
         kind = kinds.get(form, "other")
         found[kind] += 1
     return found
@@ -130,6 +131,53 @@ def test_layer_grad_lowers_for_cuda(monkeypatch, R, mask):
     assert found["dq"] == found["dkv"], found  # every backward call launches both
     out, dq, dk, dv = exported.out_avals
     assert [x.shape for x in (out, dq, dk, dv)] == [(B, S, N, H)] * 2 + [(B, S, K, H)] * 2
+
+
+def _plan_operand_sources(text: str) -> list[str]:
+    """For each Mosaic GPU custom call of an exported module, what makes its last operand (the
+    packed plan), looked through reshapes: the op's name, or the called function's."""
+    sources = []
+    for body in re.split(r"\n\s*func\.func ", text):  # SSA names are per function
+        defs = {}
+        for line in body.splitlines():
+            if m := re.match(r"\s*(%[\w]+)(?::\d+)?\s*=\s*(\S+)\s*(@\w+)?(.*)", line):
+                defs[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+        for line in body.splitlines():
+            if not (m := re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", line)):
+                continue
+            name = m.group(1).split(",")[-1].strip()
+            while name in defs and defs[name][0] == "stablehlo.reshape":
+                name = re.findall(r"%\w+", defs[name][2])[0]
+            op, callee, _ = defs.get(name, ("an argument", None, ""))
+            sources.append(callee or op)
+    return sources
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("mask", ["causal", "window", "documents"])
+def test_each_kernels_plan_is_the_looked_up_row_itself(monkeypatch, mask):
+    """Without documents a rank's plans are looked up in a table by its index (per_rank.py), and
+    each kernel's packed plan must be the looked-up row itself: XLA copies out (a launch each)
+    every static slice of it that a kernel would take. Documents' plans are computed in the
+    program (the control: the same check tells them apart)."""
+    _mosaic_anywhere(monkeypatch)
+    R = 2
+    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
+    B, S, N, K = 1, 128 * R, 2, 1
+    sh = NamedSharding(mesh, P(None, "cp"))
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    args = (
+        arg((B, S, N, H), BF16), arg((B, S, K, H), BF16), arg((B, S, K, H), BF16),
+        arg((B, S, N, H), F32), arg((B, S), jnp.int32),
+    )  # fmt: skip
+    exported = jax.export.export(jax.jit(_grad_fn(mesh, MASKS[mask])), platforms=["cuda"])(*args)
+    sources = _plan_operand_sources(exported.mlir_module())
+    assert len(sources) >= 3, sources
+    looked_up = [s.startswith(("@dynamic_index_in_dim", "stablehlo.dynamic_slice")) for s in sources]
+    if mask == "documents":
+        assert not any(looked_up), sources
+    else:
+        assert all(looked_up), sources
 
 
 # -- interpret mode (values, one device) ---------------------------------------------------------

@@ -122,8 +122,10 @@ def _fits(value, num_ranks: int) -> bool:
 def _look_up_leaves(table: Table, rank) -> list[jax.Array]:
     """The rank's leaves, in order. The leaves of one dtype are looked up together, flattened into
     one row a rank: one dynamic slice of one constant (one lookup a leaf was a launch a leaf), then
-    static slices. Where a custom call (a Mosaic GPU kernel) takes a slice as an operand, XLA copies
-    it out, a launch a slice (``experiments/rank_thunks.py``). Every leaf starts at a multiple of
+    static slices (none where a leaf fills its row). Where a custom call (a Mosaic GPU kernel)
+    takes a slice as an operand, XLA copies it out, a launch a slice (``experiments/rank_thunks.py``),
+    and it hands a whole row in place: so each Mosaic GPU kernel takes one packed operand
+    (``mosaic_gpu/packed_plan.py``). Every leaf starts at a multiple of
     :data:`ALIGN_BYTES` in its row and every row is a multiple long: XLA may hand a kernel a slice
     of the constant in place, and a Mosaic GPU kernel refuses an input not 256-byte aligned."""
     every_rank = [jax.tree.leaves(v) for v in table.values]

@@ -18,7 +18,8 @@ rows than ``vis`` describes: the call takes their first ``vis.q_len`` rows, read
 tile, the inner tiles it visits ``[lo, hi)`` and the unmasked ones ``[full_lo, full_hi)``; the
 element mask (row t sees keys ``[row_lo[t], row_hi[t])``, key l is seen by queries
 ``[col_lo[l], col_hi[l])``) is applied only outside the unmasked range. Programs are launched
-heaviest tile first (``order``).
+heaviest tile first (``order``). Both kernels take the intervals and both plans as one int32
+operand (``packed_plan.py``), each reading its own sections.
 
 - **dQ** (``_dq_kernel``): one program per (query tile of ``consumers * block_q`` rows, query
   head, batch entry), first delta = rowsum(dO * O), then over the key tiles of the row plan:
@@ -96,7 +97,8 @@ from .. import tile_plan
 from ..masks import Visibility
 from ..mesh_axes import varying_like
 from . import config as config_lib
-from .forward import leading_rows, pad_axis, read_scalar
+from .forward import leading_rows, pad_axis, read_tile
+from .packed_plan import PackedPlan, ranges_lengths, ranges_sections
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -216,10 +218,6 @@ def _matmuls(*operands, shape):
     return pl.run_scoped(body, *[plgpu.ACC(shape, F32) for _ in pairs])
 
 
-def _bounds(plan_refs, bp, tile):
-    return tuple(read_scalar(ref, bp, tile) for ref in plan_refs)
-
-
 def _operand(x, dtype, smem_ref):
     """The wgmma A operand x in ``dtype``: in registers, or stored to ``smem_ref`` (not None)."""
     x = x.astype(dtype)
@@ -253,24 +251,26 @@ def _load_resident(pairs, barriers, wg):
         plgpu.barrier_wait(barriers.at[first + n])
 
 
-def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers):
-    q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, vlo_ref, vhi_ref = refs[:8]
-    lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dq_ref, delta_ref = refs[8:15]
-    q_smem, do_smem, o_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[15:24]
-    ds_smem = refs[24] if via_smem else None
-    res_bars, k_bars, v_bars, free_bars = refs[24 + via_smem :]
+def _dq_kernel(
+    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout
+):
+    q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, plan_ref, dq_ref, delta_ref = refs[:9]
+    q_smem, do_smem, o_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[9:18]
+    ds_smem = refs[18] if via_smem else None
+    res_bars, k_bars, v_bars, free_bars = refs[18 + via_smem :]
     head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg, consumers = lax.axis_index("wg"), q_smem.shape[0]
     bp = batch if per_batch_plan else 0
-    tile = read_scalar(order_ref, bp, i)
-    lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
+    tile, (lo, full_lo, full_hi, hi) = read_tile(plan_ref, layout, "q_", bp, i)
     kv_head = lax.div(head, jnp.int32(groups))
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(registers[0], action="increase")
-        rows = pl.ds((tile * consumers + wg) * block_q, block_q)  # this consumer's rows
+        row0 = (tile * consumers + wg) * block_q
+        rows = pl.ds(row0, block_q)  # this consumer's rows
+        interval = lambda name: plan_ref.at[bp, pl.ds(layout.start(name) + row0, block_q)]
         q_smem_, do_smem_, ds_smem_ = (
             q_smem.at[wg],
             do_smem.at[wg],
@@ -279,7 +279,7 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
         resident = [
             (q_ref.at[batch, rows, head], q_smem_), (do_ref.at[batch, rows, head], do_smem_),
             (o_ref.at[batch, rows, head], o_smem.at[wg]), (lse_ref.at[batch, head, rows], lse_smem.at[wg]),
-            (vlo_ref.at[bp, rows], vlo_smem.at[wg]), (vhi_ref.at[bp, rows], vhi_smem.at[wg]),
+            (interval("row_lo"), vlo_smem.at[wg]), (interval("row_hi"), vhi_smem.at[wg]),
         ]  # fmt: skip
         _load_resident(resident, res_bars, wg)
         # delta = rowsum(dO * O) of these rows, here rather than in a pass of its own over O and
@@ -342,29 +342,29 @@ def _dq_kernel(*refs, block_q, block_k, head_dim, groups, stages, scale, per_bat
 
 
 def _dkv_kernel(
-    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers
+    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout
 ):
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, vlo_ref, vhi_ref = refs[:8]
-    lo_ref, flo_ref, fhi_ref, hi_ref, order_ref, dk_ref, dv_ref = refs[8:15]
-    k_smem, v_smem, vlo_smem, vhi_smem, q_smem, do_smem, lse_smem, delta_smem = refs[15:23]
-    pt_smem, dst_smem = refs[23:25] if via_smem else (None, None)
-    res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[23 + 2 * via_smem :]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, plan_ref, dk_ref, dv_ref = refs[:9]
+    k_smem, v_smem, vlo_smem, vhi_smem, q_smem, do_smem, lse_smem, delta_smem = refs[9:17]
+    pt_smem, dst_smem = refs[17:19] if via_smem else (None, None)
+    res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[17 + 2 * via_smem :]
     kv_head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg, consumers = lax.axis_index("wg"), k_smem.shape[0]
     bp = batch if per_batch_plan else 0
-    tile = read_scalar(order_ref, bp, i)
-    lo, full_lo, full_hi, hi = _bounds((lo_ref, flo_ref, fhi_ref, hi_ref), bp, tile)
+    tile, (lo, full_lo, full_hi, hi) = read_tile(plan_ref, layout, "k_", bp, i)
     n_tiles = hi - lo
 
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(registers[0], action="increase")
-        keys = pl.ds((tile * consumers + wg) * block_k, block_k)  # this consumer's keys
+        key0 = (tile * consumers + wg) * block_k
+        keys = pl.ds(key0, block_k)  # this consumer's keys
+        interval = lambda name: plan_ref.at[bp, pl.ds(layout.start(name) + key0, block_k)]
         k_smem_, v_smem_ = k_smem.at[wg], v_smem.at[wg]
         pt_smem_, dst_smem_ = (None, None) if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         resident = [
             (k_ref.at[batch, keys, kv_head], k_smem_), (v_ref.at[batch, keys, kv_head], v_smem_),
-            (vlo_ref.at[bp, keys], vlo_smem.at[wg]), (vhi_ref.at[bp, keys], vhi_smem.at[wg]),
+            (interval("col_lo"), vlo_smem.at[wg]), (interval("col_hi"), vhi_smem.at[wg]),
         ]  # fmt: skip
         _load_resident(resident, res_bars, wg)
         shape = (block_k, block_q)
@@ -493,20 +493,28 @@ def backward(
     qp, dop, outp = (leading_rows(x, T, Tp) for x in (q, d_out.astype(dtype), out))
     kp, vp = pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
 
-    def plans_of(vis):
-        """The kernels' mask operands: the padded intervals and the tile plans, rows' and columns'."""
+    # both kernels' mask operands in one array (packed_plan.py): the padded intervals and the
+    # tile plans, the rows' (dQ's, sections q_*) and the columns' (dK/dV's, k_*)
+    layout = PackedPlan.of(
+        row_lo=Tp, row_hi=Tp, **ranges_lengths("q_", Tp // (Cq * bq)),
+        col_lo=Lp, col_hi=Lp, **ranges_lengths("k_", Lp // (Ck * bk)),
+    )  # fmt: skip
+
+    def plan_of(vis):
         row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
         col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
         rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
         cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
-        return (row_lo, row_hi, *plan(rows)), (col_lo, col_hi, *plan(cols))
+        return layout.pack(
+            row_lo=row_lo, row_hi=row_hi, **ranges_sections("q_", rows),
+            col_lo=col_lo, col_hi=col_hi, **ranges_sections("k_", cols),
+        )  # fmt: skip
 
-    plan = lambda r: (r.lo, r.full_lo, r.full_hi, r.hi, r.order)
-    row_operands, col_operands = vis.derive(plans_of, ("backward", Tp, Lp, Cq, bq, Ck, bk))
+    plan = vis.derive(plan_of, ("backward", Tp, Lp, Cq, bq, Ck, bk))
 
     kw = dict(
         block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
-        per_batch_plan=vis.row_lo.shape[0] > 1, via_smem=via_smem,
+        per_batch_plan=vis.row_lo.shape[0] > 1, via_smem=via_smem, layout=layout,
     )  # fmt: skip
     transforms = _smem_transforms(dtype)
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
@@ -543,13 +551,13 @@ def backward(
         bars(4 * Ck), bars(S), bars(S), bars(S), bars(S), freed(Ck, S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
-    dq_operands = (qp, kp, vp, dop, outp, lse2, *row_operands)
+    dq_operands = (qp, kp, vp, dop, outp, lse2, plan)
     dq, delta = launch(
         _dq_kernel, Cq, (jax.ShapeDtypeStruct((B, Tp, N, H), dtype), jax.ShapeDtypeStruct((B, N, Tp), F32)),
         dq_scratch, (N, B, Tp // (Cq * bq)), dq_operands,
     )  # fmt: skip
     dq, delta = varying_like((dq, delta), dq_operands)
-    dkv_operands = (qp, kp, vp, dop, lse2, delta, *col_operands)
+    dkv_operands = (qp, kp, vp, dop, lse2, delta, plan)
     dk, dv = launch(
         _dkv_kernel, Ck, (jax.ShapeDtypeStruct((B, Lp, K, H), dtype),) * 2, dkv_scratch,
         (K, B, Lp // (Ck * bk)), dkv_operands,

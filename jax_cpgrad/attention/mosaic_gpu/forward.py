@@ -16,8 +16,9 @@ block) and the keys in tiles of ``block_k``. ``tile_plan.tile_ranges`` gives eac
 key tiles ``[lo, hi)`` it visits; tiles outside are never loaded. Tiles in ``[full_lo,
 full_hi)`` are visible to every row of the query tile and run without an element mask; the
 others (at most a few at each end: the diagonal of a causal mask, the edges of a window or a
-document) apply ``row_lo <= key < row_hi`` per row, read from the Visibility. Those scalars are
-read by every thread straight from global memory (a handful of loads per thread block).
+document) apply ``row_lo <= key < row_hi`` per row, read from the Visibility. The intervals and
+the plan reach the kernel as one int32 operand (``packed_plan.py``); its scalars are read by every
+thread straight from global memory (a handful of loads per thread block).
 
 **Warp specialisation** (``consumers + 1`` warpgroups of 128 threads):
 
@@ -84,6 +85,7 @@ from .. import tile_plan
 from ..mesh_axes import varying, varying_like
 from . import config as config_lib
 from .config import Config
+from .packed_plan import PackedPlan, ranges_lengths, ranges_sections
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -129,6 +131,15 @@ def read_scalar(ref, *index):
     return x + jnp.zeros((), x.dtype)
 
 
+def read_tile(plan_ref, layout: PackedPlan, prefix: str, bp, i):
+    """``(tile, (lo, full_lo, full_hi, hi))``: the outer tile program ``i`` runs (the plan's
+    ``order``) and the bounds of its inner tiles, read from the packed plan's sections ``prefix``
+    + the field's name (``packed_plan.ranges_lengths``)."""
+    scalar = lambda name, at: read_scalar(plan_ref, bp, layout.start(prefix + name) + at)
+    tile = scalar("order", i)
+    return tile, tuple(scalar(name, tile) for name in ("lo", "full_lo", "full_hi", "hi"))
+
+
 def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     """Attention of q against k, v where ``vis`` allows; ``(out, lse)`` (see the module doc)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
@@ -142,39 +153,39 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     tile_q, block_k = config.tile_q, config.block_k
     Tp, Lp = _round_up(T, tile_q), _round_up(L, block_k)
 
+    layout = PackedPlan.of(row_lo=Tp, row_hi=Tp, **ranges_lengths("", Tp // tile_q))
+
     def plan_of(vis):
-        """The kernel's mask operands: the padded row intervals, then the tile plan."""
+        """The kernel's mask operands, packed: the padded row intervals and the tile plan."""
         row_lo, row_hi = (pad_axis(jnp.asarray(x, jnp.int32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
         r = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
-        return row_lo, row_hi, r.order, r.lo, r.full_lo, r.full_hi, r.hi
+        return layout.pack(row_lo=row_lo, row_hi=row_hi, **ranges_sections("", r))
 
-    padded = [leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)]
-    out, lse = _call(
-        *padded, *vis.derive(plan_of, ("forward", Tp, Lp, tile_q, block_k)), scale=float(scale), config=config
-    )
+    plan = vis.derive(plan_of, ("forward", Tp, Lp, tile_q, block_k))
+    qp, kp, vp = leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
+    out, lse = _call(qp, kp, vp, plan, layout=layout, scale=float(scale), config=config)
     return out[:, :T], lse[:, :, :T]
 
 
-def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, config):
+def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
     B, _, N, H = q.shape
-    Tp = row_lo.shape[1]  # the call's rows, padded to the tile (q may hold more)
+    Tp = layout.length("row_lo")  # the call's rows, padded to the tile (q may hold more)
     num_kv_heads = k.shape[2]
     dtype = q.dtype
     bq, bk, S, C = config.block_q, config.block_k, config.num_stages, config.consumers
     n_tiles = Tp // config.tile_q
-    per_batch = row_lo.shape[0] != 1  # Bp == B (documents) or 1
+    per_batch = plan.shape[0] != 1  # Bp == B (documents) or 1
     group = N // num_kv_heads
     c = scale * _LOG2E  # scores to base-2 logits
 
     def kernel(refs, scoped):
-        q_ref, k_ref, v_ref, rlo_ref, rhi_ref, order_ref, *plan_refs, out_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, plan_ref, out_ref, lse_ref = refs
         smem, barriers = scoped
         qo_smem, k_smem, v_smem, rows_smem, lse_smem, p_smem = smem
         in_bars, k_bars, v_bars, k_free, v_free, turn = barriers
         head, batch, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
         bp = batch if per_batch else 0
-        tile = read_scalar(order_ref, bp, lax.axis_index("tiles"))
-        j_lo, j_flo, j_fhi, j_hi = (read_scalar(r, bp, tile) for r in plan_refs)
+        tile, (j_lo, j_flo, j_fhi, j_hi) = read_tile(plan_ref, layout, "", bp, lax.axis_index("tiles"))
 
         def rendezvous():  # both consumers meet: ping-pong turns
             plgpu.barrier_arrive(turn)
@@ -188,8 +199,8 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
             rows = pl.ds(q0, bq)
             copies = [
                 (q_ref.at[batch, rows, head], q_smem),
-                (rlo_ref.at[bp, rows], rows_smem.at[wg, 0]),
-                (rhi_ref.at[bp, rows], rows_smem.at[wg, 1]),
+                (plan_ref.at[bp, pl.ds(layout.start("row_lo") + q0, bq)], rows_smem.at[wg, 0]),
+                (plan_ref.at[bp, pl.ds(layout.start("row_hi") + q0, bq)], rows_smem.at[wg, 1]),
             ]
             for i, (src, dst) in enumerate(copies):  # one barrier per copy
                 plgpu.copy_gmem_to_smem(src, dst, in_bars.at[3 * wg + i])
@@ -319,7 +330,7 @@ def _call(q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi, *, scale, co
         jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
         jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
     )
-    operands = (q, k, v, row_lo, row_hi, order, lo, full_lo, full_hi, hi)
+    operands = (q, k, v, plan)
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
