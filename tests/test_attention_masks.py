@@ -183,6 +183,53 @@ def test_edge_rows_are_the_rows_a_window_lets_out_of_their_chunk(left, right):
     assert all(b0 < a1 for (_, b0), (a1, _) in zip(edges[:-1], edges[1:], strict=True))
 
 
+@pytest.mark.parametrize(
+    "segments,axis",
+    [(((0, 5), (8, 13)), 1), (((3, 8), (11, 16)), -1), (((0, 2), (6, 10), (14, 16)), 1), (((0, 16),), 1)],
+    ids=["heads", "tails_lse_axis", "uneven", "all"],
+)
+def test_update_segments_replaces_those_rows_alone(segments, axis):
+    """``plan.update_segments`` against numpy: the segments' rows (and the given rows of another
+    array) reach ``fn`` in one form, and what it returns lands on those rows alone; the rest is
+    the array's own. Where the segments are a span at the same offset in each chunk (the first
+    two cases) the rows arrive as the chunks' view ``[.., 2, span, ..]`` and each array is
+    written by one dynamic update; otherwise they arrive joined."""
+    rng = np.random.default_rng(0)
+    full = np.float32(rng.normal(size=(2, 16, 3) if axis == 1 else (2, 3, 16)))
+    ax = axis % full.ndim
+    rows = np.concatenate([np.take(full, np.arange(a, b), axis=ax) for a, b in segments], axis=ax)
+    other = np.float32(rng.normal(size=rows.shape))
+    span = plan._same_in_each_chunk(segments, 16)
+    seen = {}
+
+    def fn(r, o):
+        seen["shape"] = r.shape
+        return (r * 2.0 + o,)
+
+    others = [(jnp.asarray(other), axis)]
+    (out,) = plan.update_segments((jnp.asarray(full),), fn, segments, (axis,), others=others)
+    expected = full.copy()
+    at = 0
+    for a, b in segments:
+        index = [slice(None)] * full.ndim
+        index[ax] = slice(a, b)
+        piece = [slice(None)] * full.ndim
+        piece[ax] = slice(at, at + b - a)
+        expected[tuple(index)] = 2.0 * rows[tuple(piece)] + other[tuple(piece)]
+        at += b - a
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-6)
+    if span is not None:
+        assert seen["shape"] == full.shape[:ax] + (2, span[1] - span[0]) + full.shape[ax + 1 :]
+        plus_one = lambda x: plan.update_segments((x,), lambda r: (r + 1,), segments, (axis,))
+        jaxpr = str(jax.make_jaxpr(plus_one)(full))
+        assert jaxpr.count("dynamic_update_slice") == 1
+    else:
+        assert seen["shape"] == rows.shape
+    assert (span is not None) == (len(segments) == 2 and segments != ((0, 2), (6, 10)))
+    taken = plan.take_segments(jnp.asarray(full, jnp.float32), segments, axis)
+    np.testing.assert_array_equal(np.asarray(taken), rows.astype(np.float32))
+
+
 def _lowered_without_ids(ranks: int, **kw) -> str:
     """The lowered text of the layer's forward and backward on the XLA transport, no documents,
     chunks of 8 (S = 16 R)."""

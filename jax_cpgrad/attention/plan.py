@@ -89,6 +89,7 @@ import jax.numpy as jnp
 
 from . import halo, per_rank, window_chunks
 from .masks import Mask, Visibility, run_ids, visibility, with_ranks
+from .rounding import firm
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -396,7 +397,7 @@ class RankPlan:
     @staticmethod
     def put_rows(call: Call, x, fill):
         """A result of the call's rows as ``[B, 2c, ...]``, ``fill`` in the rows it does not have
-        (``edges``, ``edges_fold``: left compact, for ``into_rows``)."""
+        (``edges``, ``edges_fold``: left compact, for ``update_rows``)."""
         if call.rows in ("fold", "chunk_heads"):
             return unfold(x)
         if call.rows == "edges_fold":
@@ -420,10 +421,13 @@ class RankPlan:
         return take_segments(x, call.edges, axis) if call.edges else x
 
     @staticmethod
-    def into_rows(call: Call, full, rows, axis: int = 1):
-        """``full [.., 2c, ..]`` with an edge rows call's compact ``rows`` written at its segments
-        (in place: static slices); ``rows`` itself for any other call."""
-        return put_segments(full, rows, call.edges, axis) if call.edges else rows
+    def update_rows(call: Call, fulls, fn, axes, others=()):
+        """``fulls`` with an edge rows call's rows replaced by ``fn`` of them and of ``others``
+        (``update_segments``: in place), or for any other call with ``fn`` of the arrays
+        themselves and ``others`` (arrays, axis pairs of all rows)."""
+        if not call.edges:
+            return tuple(fn(*fulls, *(x for x, _ in others)))
+        return update_segments(fulls, fn, call.edges, axes, others)
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -601,9 +605,32 @@ def _pair_up(first, second):
     return jnp.stack([first, second], axis=1).reshape(-1, *first.shape[1:])
 
 
+def _same_in_each_chunk(segments, length: int) -> tuple[int, int] | None:
+    """``(start, stop)`` where ``segments`` are one span at the same offset in each of the two
+    chunks of ``length`` rows (a causal window's edge rows, and the rows its neighbours see),
+    else None."""
+    c = length // 2
+    if len(segments) == 2 and length % 2 == 0:
+        (a, b), (a2, b2) = segments
+        if (a2, b2) == (a + c, b + c) and b <= c:
+            return a, b
+    return None
+
+
+def _by_chunk(x, axis: int):
+    """``x [.., 2c, ..]`` viewed as ``[.., 2, c, ..]`` (a bitcast)."""
+    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1 :])
+
+
 def take_segments(x, segments, axis: int = 1):
-    """The ``segments`` ``[start, stop)`` of ``x`` along ``axis``, joined."""
-    pieces = [jax.lax.slice_in_dim(x, a, b, axis=axis % x.ndim) for a, b in segments]
+    """The ``segments`` ``[start, stop)`` of ``x`` along ``axis``, joined. A span at the same
+    offset in each chunk is one slice of the chunks' view, which XLA fuses into its reader."""
+    axis %= x.ndim
+    span = _same_in_each_chunk(segments, x.shape[axis])
+    if span is not None:
+        rows = jax.lax.slice_in_dim(_by_chunk(x, axis), *span, axis=axis + 1)
+        return rows.reshape(*x.shape[:axis], 2 * (span[1] - span[0]), *x.shape[axis + 1 :])
+    pieces = [jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in segments]
     return jnp.concatenate(pieces, axis=axis)
 
 
@@ -616,6 +643,43 @@ def put_segments(full, rows, segments, axis: int = 1):
         full = jax.lax.dynamic_update_slice_in_dim(full, piece, start, axis=axis % full.ndim)
         at += stop - start
     return full
+
+
+def update_segments(fulls, fn, segments, axes, others=()):
+    """``fulls`` (arrays ``[.., 2c, ..]``, the rows along ``axes``) with their ``segments``
+    replaced by ``fn(*rows, *others)``, ``rows`` each array's segments, ``others`` arrays of the
+    same rows already taken (``(array, axis)`` pairs, ``take_segments``' form). ``fn`` gets all of
+    them in one form and returns each array's new rows in it: joined (``take_segments``' form),
+    or, where the segments are a span at the same offset in each chunk, the chunks' view
+    ``[.., 2, span, ..]``, so that ``fn`` works elementwise in the shape the rows have in place.
+
+    Such a span is read with a dynamic slice and written back with a dynamic update at one start
+    that XLA cannot fold into a constant (behind an optimization barrier): XLA then makes the
+    read, ``fn`` and the write one kernel per array, in place (with a static start it makes a
+    kernel of ``fn`` and a copy per segment, or copies the whole array first; with a reshape
+    between the read and the write, a copy of the rows first). The arrays come back firm
+    (``rounding.firm``), so ``fn`` may round its rows with ``rounding.rounded_into``: a barrier
+    between its rounding and the write would keep them apart."""
+    axes = [a % x.ndim for x, a in zip(fulls, axes, strict=True)]
+    span = _same_in_each_chunk(segments, fulls[0].shape[axes[0]])
+    if span is None:
+        rows = [take_segments(x, segments, a) for x, a in zip(fulls, axes, strict=True)]
+        new = fn(*rows, *(x for x, _ in others))
+        return firm(tuple(put_segments(x, r, segments, a) for x, r, a in zip(fulls, new, axes, strict=True)))
+    start = jax.lax.optimization_barrier(jnp.int32(span[0]))
+    views = [_by_chunk(x, a) for x, a in zip(fulls, axes, strict=True)]
+    starts = [[start if d == a + 1 else 0 for d in range(v.ndim)] for v, a in zip(views, axes, strict=True)]
+    rows = [
+        jax.lax.dynamic_slice(v, at, v.shape[: a + 1] + (span[1] - span[0],) + v.shape[a + 2 :])
+        for v, at, a in zip(views, starts, axes, strict=True)
+    ]
+    new = fn(*rows, *(_by_chunk(x, a % x.ndim) for x, a in others))
+    return firm(
+        tuple(
+            jax.lax.dynamic_update_slice(v, r, at).reshape(x.shape)
+            for x, v, r, at in zip(fulls, views, new, starts, strict=True)
+        )
+    )
 
 
 def _far(x, axis: int = 1):

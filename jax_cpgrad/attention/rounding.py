@@ -23,3 +23,11 @@ def firm(values):
     """``values`` (any pytree of arrays) as they are: XLA cannot fuse their producers' converts
     with their consumers'."""
     return jax.lax.optimization_barrier(values)
+
+
+def rounded_into(x, dtype):
+    """``x.astype(dtype)`` for rows that a dynamic update writes into an array which is then made
+    firm (``plan.update_segments``): the write and the barrier after it sit between this rounding
+    and any later widening, and a barrier here would keep XLA from fusing the rounding into the
+    write."""
+    return x.astype(dtype)

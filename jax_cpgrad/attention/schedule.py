@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels
-from .plan import Call, RankPlan, edge_rows, put_segments, take_segments
-from .rounding import rounded
+from .plan import Call, RankPlan, edge_rows, take_segments, update_segments
+from .rounding import rounded, rounded_into
 
 F32 = jnp.float32
 
@@ -55,13 +55,14 @@ class Config:
     head_groups: int = 1  # the transfer pipelined over this many groups of key/value heads
 
 
-def merge(*parts):
+def merge(*parts, rounding=rounded):
     """(out, lse) of parts of the same queries' attention, each an (out, lse) pair: summed in
-    float32, rounded once to the first part's dtype."""
+    float32, rounded once to the first part's dtype (with ``rounding``)."""
     lse = functools.reduce(jnp.logaddexp, [lp for _, lp in parts])  # finite: every query sees its own key
-    weight = lambda lp: jnp.swapaxes(jnp.exp(lp - lse), -1, -2)[..., None]  # [B, T, N, 1]
+    # [B, N, ...rows] -> [B, ...rows, N, 1]: the rows are T, or 2 x span (update_segments' view)
+    weight = lambda lp: jnp.moveaxis(jnp.exp(lp - lse), 1, -1)[..., None]
     out = sum(weight(lp) * op.astype(F32) for op, lp in parts)
-    return rounded(out, parts[0][0].dtype), lse
+    return rounding(out, parts[0][0].dtype), lse
 
 
 # -- one call ----------------------------------------------------------------------------------
@@ -214,8 +215,13 @@ def _merge_remote(plan, call: Call, local, parts):
     """The local part merged with the remote parts, which hold ``call``'s rows: all of them, or a
     window's edge rows (merged there and written into the local part's result; elsewhere the
     merge would give the local part's bits back)."""
-    out, lse = merge((plan.at_edges(call, local[0]), plan.at_edges(call, local[1], axis=-1)), *parts)
-    return plan.into_rows(call, local[0], out), plan.into_rows(call, local[1], lse, axis=-1)
+
+    def merged(out, lse, *flat):
+        pairs = zip(flat[::2], flat[1::2], strict=True)
+        return merge((out, lse), *pairs, rounding=rounded_into)
+
+    others = [(x, axis) for o, lp in parts for x, axis in ((o, 1), (lp, -1))]
+    return plan.update_rows(call, local, merged, axes=(1, -1), others=others)
 
 
 def _heads(x, groups: int, axis: int = 2):
@@ -283,12 +289,13 @@ def _attention_bwd(cfg: Config, residuals, d_out):
         for i, like in ((0, k), (1, v))
     ]
     call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
-    dq = plan.into_rows(call, dq_l, total(q, _join(dqs, axis=2), plan.at_edges(call, dq_l)))
+    added = lambda like: lambda rows, back: (rounded_into(_sum_f32((back, rows)), like.dtype),)
+    (dq,) = plan.update_rows(call, (dq_l,), added(q), axes=(1,), others=[(_join(dqs, axis=2), 1)])
     returned_rows = _returned_rows(cfg, q.shape[1] // 2) if own[0] is None else None
     if returned_rows is not None:  # the returned halo gradients are 0 elsewhere: add these rows alone
         at = lambda x: take_segments(x, returned_rows)
-        dk = put_segments(dk_l, total(k, at(dk_back), at(dk_l)), returned_rows)
-        dv = put_segments(dv_l, total(v, at(dv_back), at(dv_l)), returned_rows)
+        (dk,) = update_segments((dk_l,), added(k), returned_rows, axes=(1,), others=[(at(dk_back), 1)])
+        (dv,) = update_segments((dv_l,), added(v), returned_rows, axes=(1,), others=[(at(dv_back), 1)])
         return dq, dk, dv, None, None
     return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None
 
