@@ -424,9 +424,10 @@ class RankPlan:
     def update_rows(call: Call, fulls, fn, axes, others=()):
         """``fulls`` with an edge rows call's rows replaced by ``fn`` of them and of ``others``
         (``update_segments``: in place), or for any other call with ``fn`` of the arrays
-        themselves and ``others`` (arrays, axis pairs of all rows)."""
+        themselves and ``others`` (arrays, axis pairs of all rows); firm either way, as
+        ``update_segments`` returns them (``fn`` may round with ``rounding.rounded_into``)."""
         if not call.edges:
-            return tuple(fn(*fulls, *(x for x, _ in others)))
+            return firm(tuple(fn(*fulls, *(x for x, _ in others))))
         return update_segments(fulls, fn, call.edges, axes, others)
 
     # -- keys ----------------------------------------------------------------------------------
