@@ -46,9 +46,11 @@
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # - patch_tests, patch_ab: an experiments patch (PATCH=experiments/<name>.patch, required)
 #   applied to the tree: the Mosaic GPU tests that cover a rank's calls with it (first call,
-#   planted off-by-one, two runs, halo, rows in place); then, side by side in one command, the
-#   rank's timeline at 32k, R = 8 (window 512 and causal) with it, without it and with it again,
-#   and the per-rank reading of the 512 window with it and without it. The tree is left without it.
+#   planted off-by-one, two runs, halo, rows in place; PATCH_TESTS: another -k selection); then,
+#   side by side in one command, the rank's timeline at 32k, R = 8 (window 512 and causal;
+#   PATCH_CASES: other cases) with it, without it and with it again, and the per-rank reading of
+#   the 512 window (PATCH_MASK: another mask's arguments) with it and without it. The tree is left
+#   without it.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
 # test hooks, as gpu_run.sh does; otherwise the extension is built without CUDA (faster; the
 # Pallas kernels need nothing of it).
@@ -192,20 +194,22 @@ for s in "${stages[@]}"; do
       if [ "$s" = patch_tests ]; then
         stage patch_tests 330 env JAX_CPGRAD_REQUIRE_GPU=1 JAX_CPGRAD_MOSAIC_ERRORS="$OUT/mosaic_errors_patch.jsonl" \
           python3 -m pytest -q -s -rs -p no:cacheprovider -o timeout=200 -o timeout_method=thread \
-          tests/test_gpu_mosaic.py -k "first_call or planted or two_runs or halo_against or first_rows"
+          tests/test_gpu_mosaic.py -k "${PATCH_TESTS:-first_call or planted or two_runs or halo_against or first_rows}"
         git apply -R "$patch"
         continue
       fi
       for side in with without with_again; do  # the patch is applied on entry
         [ "$side" = without ] && git apply -R "$patch"
         [ "$side" = with_again ] && git apply "$patch"
-        stage "timeline_$side" 110 python3 experiments/rank_timeline.py --seq 32k --n 8 --cases window512 causal \
+        # shellcheck disable=SC2086  # the cases are words
+        stage "timeline_$side" 110 python3 experiments/rank_timeline.py --seq 32k --n 8 --cases ${PATCH_CASES:-window512 causal} \
           --list 12 --json "$OUT/patch_timeline_$side.json"
       done
       for side in with without; do
         [ "$side" = without ] && git apply -R "$patch"
-        stage "per_rank_$side" 120 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 2 4 8 --window 512 \
-          --ideal layer --rank-implementation mosaic --rounds 2 --json "$OUT/patch_per_rank_window512_$side.json"
+        # shellcheck disable=SC2086  # the mask's arguments are words
+        stage "per_rank_$side" 120 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 2 4 8 ${PATCH_MASK:---window 512} \
+          --ideal layer --rank-implementation mosaic --rounds 2 --json "$OUT/patch_per_rank_$side.json"
       done
       ;;
     *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window, patch_tests, patch_ab)" ;;
