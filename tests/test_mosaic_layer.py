@@ -107,10 +107,9 @@ def _kernels_in(text: str) -> dict[str, int]:
     return found
 
 
-@needs_cuda_lowering
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("R", [2, 4])
-def test_layer_grad_lowers_for_cuda(monkeypatch, R, mask):
+def _exported_grad(monkeypatch, R: int, mask: str):
+    """The layer's fwd + bwd with ``mask`` at R ranks (B = 1, S = 128 R, N = 2, K = 1) exported
+    for CUDA, our kernels taken on any machine."""
     _mosaic_anywhere(monkeypatch)
     mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
     B, S, N, K = 1, 128 * R, 2, 1
@@ -120,7 +119,15 @@ def test_layer_grad_lowers_for_cuda(monkeypatch, R, mask):
         arg((B, S, N, H), BF16), arg((B, S, K, H), BF16), arg((B, S, K, H), BF16),
         arg((B, S, N, H), F32), arg((B, S), jnp.int32),
     )  # fmt: skip
-    exported = jax.export.export(jax.jit(_grad_fn(mesh, MASKS[mask])), platforms=["cuda"])(*args)
+    return jax.export.export(jax.jit(_grad_fn(mesh, MASKS[mask])), platforms=["cuda"])(*args)
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("R", [2, 4])
+def test_layer_grad_lowers_for_cuda(monkeypatch, R, mask):
+    exported = _exported_grad(monkeypatch, R, mask)
+    B, S, N, K = 1, 128 * R, 2, 1  # _exported_grad's
     text = exported.mlir_module()
     found = _kernels_in(text)
     assert found["forward"] >= 1 and found["dq"] >= 1 and found["dkv"] >= 1, found
@@ -160,17 +167,7 @@ def test_each_kernels_plan_is_the_looked_up_row_itself(monkeypatch, mask):
     each kernel's packed plan must be the looked-up row itself: XLA copies out (a launch each)
     every static slice of it that a kernel would take. Documents' plans are computed in the
     program (the control: the same check tells them apart)."""
-    _mosaic_anywhere(monkeypatch)
-    R = 2
-    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
-    B, S, N, K = 1, 128 * R, 2, 1
-    sh = NamedSharding(mesh, P(None, "cp"))
-    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-    args = (
-        arg((B, S, N, H), BF16), arg((B, S, K, H), BF16), arg((B, S, K, H), BF16),
-        arg((B, S, N, H), F32), arg((B, S), jnp.int32),
-    )  # fmt: skip
-    exported = jax.export.export(jax.jit(_grad_fn(mesh, MASKS[mask])), platforms=["cuda"])(*args)
+    exported = _exported_grad(monkeypatch, 2, mask)
     sources = _plan_operand_sources(exported.mlir_module())
     assert len(sources) >= 3, sources
     looked_up = [s.startswith(("@dynamic_index_in_dim", "stablehlo.dynamic_slice")) for s in sources]
