@@ -110,7 +110,7 @@ def tile_ranges(lo_rows, hi_rows, *, outer_block: int, inner_block: int, inner_l
     full_hi = jnp.where(has_full, jnp.clip(f_hi, full_lo, v_hi), full_lo)
 
     work = v_hi - v_lo
-    order = jnp.argsort(-work, axis=-1, stable=True)  # stable: equal work keeps index order
+    order = _heaviest_first(work)
     return TileRanges(
         lo=v_lo.astype(I32),
         full_lo=full_lo.astype(I32),
@@ -118,6 +118,16 @@ def tile_ranges(lo_rows, hi_rows, *, outer_block: int, inner_block: int, inner_l
         hi=v_hi.astype(I32),
         order=order.astype(I32),
     )
+
+
+def _heaviest_first(work):
+    """The indices of ``work``'s last axis, largest first, ties in index order (a stable sort).
+    Not ``jnp.argsort``: under ``jax.ensure_compile_time_eval`` (``Visibility.derive``) in a
+    ``shard_map``, jax 0.12.1's argsort folds its index array to a constant and then fails to mark
+    it as varying over the mesh axis ("pvary should be called under jax.shard_map"). An index
+    computed from ``work`` itself is a traced value, varying as ``work`` is."""
+    index = jax.lax.broadcasted_iota(work.dtype, work.shape, work.ndim - 1) + work * 0
+    return jax.lax.sort((-work, index), dimension=work.ndim - 1, is_stable=True, num_keys=1)[1]
 
 
 def over_inner_tiles(lo, full_lo, full_hi, hi, body, carry=None):
