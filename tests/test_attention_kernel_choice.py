@@ -110,7 +110,7 @@ def test_masked_xla_kernel_takes_the_blockwise_path_beyond_the_dense_limit(monke
     the unsharded attention (values and gradients), as the dense path does."""
     monkeypatch.setattr(kernels, "DENSE_SCORES_MAX", 0)
     n, seq = 2, 128
-    ids = np.repeat(np.arange(4), seq // 4)[None]
+    ids = np.repeat(np.arange(4, dtype=np.int32), seq // 4)[None]
     q, k, v, ct = random_inputs(seq, heads=2, kv_heads=1)
     want = reference(q, k, v, ct, segment_ids=ids, local_window_size=(40, 0))
     got = cp_layer(cp_mesh(n), (q, k, v, ct), dtype=jnp.float32, segment_ids=ids, local_window_size=(40, 0))
