@@ -21,6 +21,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attention_check as ac
+import jax_cpgrad as cpg
 from jax_cpgrad.attention import masks, mosaic_gpu, per_rank, plan, tile_plan
 from spmd import cp_mesh
 
@@ -191,6 +192,46 @@ def test_tables_are_computed_once_a_key():
     per_rank.tabulate(fn, 0, 4)
     assert len(runs) == 12
     assert first is not None and other is not None and first is not other
+
+
+def test_lookups_of_one_table_read_one_constant():
+    """Two lookups of a table (a model's layers of one configuration) read one constant array:
+    jax 0.12.1 hands each array to XLA as a parameter of its own, and XLA shares the lookups of two
+    layers only where they read the same one."""
+    fn = lambda r: {"lo": jnp.arange(8, dtype=jnp.int32) + r, "hi": jnp.full(64, r, jnp.int32)}
+
+    def two_layers(rank):
+        return [per_rank.tabulate(fn, rank, 4, key=("test", "one constant"))[0] for _ in range(2)]
+
+    closed = jax.make_jaxpr(two_layers)(jnp.int32(1))
+    assert len(closed.consts) == 1, [np.shape(c) for c in closed.consts]
+
+
+@pytest.mark.parametrize("window", [(5, 0), (40, 0), (3, 7)], ids=["halo", "window_chunks", "two_sided_halo"])
+def test_two_layers_in_one_program_read_one_layers_constants(window):
+    """The layer twice in one program under ``shard_map`` (windows: the masks looked up from
+    tables, the halo's or the window chunks' rows placed by rank tables) holds the constants of
+    one layer alone: the second layer's lookups are the first's, which XLA then computes once."""
+    ranks, seq = 4, 2 * 4 * 16
+    q, k, v, _ = (jnp.asarray(x) for x in ac.random_inputs(seq, heads=4, kv_heads=2, seed=7))
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def constants(layers: int) -> int:
+        def body(q, k, v):
+            attend = lambda q, k, v: cpg.dot_product_attention(
+                q, k, v, axis_name="cp", is_causal=window[1] == 0, local_window_size=window
+            )
+            out, grads = q, None
+            for _ in range(layers):
+                out, vjp = jax.vjp(attend, out, k, v)
+                grads = vjp(out)
+            return out, grads
+
+        f = jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=spec, out_specs=spec)
+        return len(jax.make_jaxpr(f)(q, k, v).consts)
+
+    one = constants(1)
+    assert one >= 1 and constants(2) == one
 
 
 def test_a_second_layer_of_one_configuration_computes_no_table(monkeypatch):

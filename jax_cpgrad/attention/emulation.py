@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..layout import to_cp_layout
-from . import layer, schedule
+from . import layer, per_rank, schedule
 from .halo import halo_length
 from .plan import id_words
 
@@ -67,7 +67,7 @@ class NoTransfer:
         natural order ``[B, S]``, concrete): what a rank's real gather brings (the whole
         sequence in natural order, as ``all_gather`` returns it)."""
         with jax.ensure_compile_time_eval():  # a constant, also when called under jit
-            words = np.asarray(id_words(np.asarray(sequence_ids)))
+            words = per_rank.shared(id_words(np.asarray(sequence_ids)))
         return cls(num_ranks, _Constant(words))
 
     def gather_ids(self, words):
@@ -144,6 +144,6 @@ def _rank_ids_and_stand_in(sequence_ids, segment_ids, query, rank, num_ranks: in
             f"got {ids.dtype} {list(ids.shape)}"
         )
     with jax.ensure_compile_time_eval():  # a constant, also when called under jit
-        laid = np.asarray(to_cp_layout(ids, num_ranks))
+        laid = per_rank.shared(to_cp_layout(ids, num_ranks))
     own = jax.lax.dynamic_slice_in_dim(jnp.asarray(laid), rank * t, t, axis=1)
     return own, NoTransfer.with_sequence_ids(num_ranks, ids)

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api
+from . import per_rank
 from .mesh_axes import varying_like
 from .rounding import rounded
 
@@ -328,7 +329,7 @@ def rank_positions(rank, num_ranks: int, chunk_len: int, left: int, right: int):
     traced int32): :func:`halo_positions`'s tables, indexed at run time. The layer's masks and
     :func:`halo_exchange` both take them from here."""
     pos_table, valid_table = _position_tables(num_ranks, chunk_len, left, right)
-    return jnp.asarray(pos_table)[rank], jnp.asarray(valid_table)[rank]
+    return per_rank.row(pos_table, rank), per_rank.row(valid_table, rank)
 
 
 # The exchange in three steps, shared by the forward and its transpose: ``_send`` (what a rank

@@ -12,7 +12,9 @@ are the same bits.
 
 Tables are kept by a key the caller gives (what ``fn`` depends on: the plan, the shapes, the
 kernel's tiles), so that a model's layers of one configuration, and a backward pass after its
-forward, compute them once (about 3.5 s of a layer's first trace at R = 8, on the host's CPU).
+forward, compute them once (about 3.5 s of a layer's first trace at R = 8, on the host's CPU),
+and every table is one constant array (:func:`shared`, also for the other rank-indexed tables of
+the package), so that XLA computes what two layers look up once.
 
 A value too large for a table (more than :data:`MAX_ELEMENTS` elements over every rank; the
 masks hold a few int32 a query row per call, so at R = 8 a window's fit to about 16k tokens a rank
@@ -71,6 +73,32 @@ def tabulate(
 
 _CACHE: dict[Hashable, Table | None] = {}
 _CACHE_SIZE = 256  # tables (the oldest go first), a few MiB at most each
+
+
+def shared(x) -> np.ndarray:
+    """``x`` (a concrete array) as the one numpy array of its contents kept here, read-only: what
+    a program takes as a constant. jax passes each constant array to XLA once however often it
+    is used, but two equal arrays twice (from jax 0.12.1 as parameters of their own), and XLA
+    shares the work of two layers (the lookups and what follows from them) only where they read
+    the same one."""
+    x = np.asarray(x)
+    key = (x.shape, x.dtype.str, x.tobytes())
+    kept = _SHARED.get(key)
+    if kept is None:
+        if len(_SHARED) >= _CACHE_SIZE:
+            del _SHARED[next(iter(_SHARED))]
+        kept = _SHARED[key] = x.copy()
+        kept.setflags(write=False)
+    return kept
+
+
+def row(table, rank):
+    """Row ``rank`` (an int or a traced int32) of a numpy table ``[R, ...]`` of every rank's
+    values, taken from its :func:`shared` constant."""
+    return jnp.asarray(shared(table))[rank]
+
+
+_SHARED: dict[tuple, np.ndarray] = {}
 
 
 def _table(fn: Callable[[int], Any], num_ranks: int, key: Hashable | None) -> Table | None:
@@ -135,11 +163,11 @@ def _look_up_leaves(table: Table, rank) -> list[jax.Array]:
         where = [i for i, x in enumerate(first) if x.dtype.str == dtype]
         align = max(1, ALIGN_BYTES // first[where[0]].dtype.itemsize)
         spans = [-(-first[i].size // align) * align for i in where]  # each leaf's room in a row
-        rows = np.stack([_row(leaves, where, spans) for leaves in every_rank])
-        row = jax.lax.dynamic_index_in_dim(jnp.asarray(rows), rank, axis=0, keepdims=False)
+        rows = shared(np.stack([_row(leaves, where, spans) for leaves in every_rank]))
+        looked = jax.lax.dynamic_index_in_dim(jnp.asarray(rows), rank, axis=0, keepdims=False)
         start = 0
         for i, span in zip(where, spans, strict=True):
-            looked_up[i] = row[start : start + first[i].size].reshape(first[i].shape)
+            looked_up[i] = looked[start : start + first[i].size].reshape(first[i].shape)
             start += span
     return looked_up
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import per_rank
 from .halo import PAD_HIGH
 from .rounding import rounded
 
@@ -130,9 +131,9 @@ def positions(lay: Layout, rank: int):
 def rank_positions(lay: Layout, rank):
     """:func:`positions` for a rank that may be traced (tables indexed at run time)."""
     tables = [positions(lay, r) for r in range(lay.num_ranks)]
-    pos = jnp.asarray(np.stack([t[0] for t in tables]))
-    valid = jnp.asarray(np.stack([t[1] for t in tables]))
-    return pos[rank], valid[rank]
+    return per_rank.row(np.stack([t[0] for t in tables]), rank), per_rank.row(
+        np.stack([t[1] for t in tables]), rank
+    )
 
 
 def _chunks(x, c: int):
@@ -151,8 +152,8 @@ def _slot_rows(lay: Layout, x, axis_name: str, slot: int, rank):
     first, second = _chunks(x, lay.chunk_len)
     a = _permute(first, axis_name, lay.pairs(slot, True))
     b = _permute(second, axis_name, lay.pairs(slot, False))
-    from_first = jnp.asarray([lay.owner(int(s))[1] if s >= 0 else True for s in lay.chunk[:, slot]])
-    return jnp.where(from_first[rank], a, b)
+    from_first = np.asarray([lay.owner(int(s))[1] if s >= 0 else True for s in lay.chunk[:, slot]])
+    return jnp.where(per_rank.row(from_first, rank), a, b)
 
 
 def _slots(lay: Layout, x, axis_name: str, rank):
@@ -164,7 +165,7 @@ def exchange(lay: Layout, xs: tuple, axis_name: str):
     """Each array of ``xs`` (the rank's ``[B, 2c, ...]``) -> its rows ``[B, n_slots * c, ...]``
     (the module's order)."""
     rank = jax.lax.axis_index(axis_name).astype(I32)
-    order = jnp.asarray(lay.order)[rank]
+    order = per_rank.row(lay.order, rank)
     out = []
     for x in xs:
         rows = jnp.take(_slots(lay, x, axis_name, rank), order, axis=1)
@@ -176,7 +177,7 @@ def _send_back(lay: Layout, slots, axis_name: str, rank, acc_first, acc_second):
     """``(acc_first, acc_second)`` (float32 ``[B, c, ...]``, the rank's two chunks) plus the
     cotangents of every slot that held them, from the ranks that hold those slots: ``slots``
     ``[B, n_slots, c, ...]`` in slot order, each sent back along its permutes, added in slot order."""
-    real = jnp.asarray(lay.chunk >= 0)[rank]
+    real = per_rank.row(lay.chunk >= 0, rank)
     for k in range(lay.n_slots):
         g = jnp.where(real[k], slots[:, k], jnp.zeros_like(slots[:, k]))
         for first in (True, False):  # each move back the way it came
@@ -193,7 +194,7 @@ def return_grads(lay: Layout, cts: tuple, axis_name: str):
     -> the owners' ``[B, 2c, ...]``, summed in float32 in slot order, rounded once."""
     rank = jax.lax.axis_index(axis_name).astype(I32)
     c = lay.chunk_len
-    inverse = jnp.asarray(np.argsort(lay.order, axis=1))[rank]
+    inverse = per_rank.row(np.argsort(lay.order, axis=1), rank)
     out = []
     for ct in cts:
         slots = jnp.take(ct.reshape(ct.shape[0], lay.n_slots, c, *ct.shape[2:]), inverse, axis=1)
@@ -222,7 +223,7 @@ def gather_natural(lay: Layout, xs: tuple, axis_name: str):
     reached chunks travel."""
     rank = jax.lax.axis_index(axis_name).astype(I32)
     c, n = lay.chunk_len, lay.num_ranks
-    src = jnp.asarray(_natural_sources(lay))[rank]
+    src = per_rank.row(_natural_sources(lay), rank)
     out = []
     for x in xs:
         first, second = _chunks(x, c)
@@ -239,7 +240,7 @@ def return_natural(lay: Layout, cts: tuple, axis_name: str):
     (no query read them)."""
     rank = jax.lax.axis_index(axis_name).astype(I32)
     c, n = lay.chunk_len, lay.num_ranks
-    held = jnp.asarray(np.maximum(lay.chunk, 0))[rank]  # the chunk of each slot (any, where not real)
+    held = per_rank.row(np.maximum(lay.chunk, 0), rank)  # the chunk of each slot (any, where not real)
     out = []
     for ct in cts:
         chunks = ct.reshape(ct.shape[0], 2 * n, c, *ct.shape[2:])
