@@ -18,11 +18,13 @@ Run (``JAX_PLATFORMS=cpu``: jax must not open the plugin as a backend, which nee
 
     JAX_PLATFORMS=cpu PYTHONPATH=.pjrt .venv/bin/python experiments/rank_thunks.py \
         --seq 32k --n 8 --cases window512 causal documents4096 [--layers 1 2] [--gpu h200] \
-        [--dump DIR] [--json out.json]
+        [--checkpoint] [--scan] [--dump DIR] [--json out.json]
 
 ``--layers L``: L calls in one program, each layer's output the next one's queries (what a model's
 step shares between its layers: masks of one configuration are computed once). ``--checkpoint``:
 each call inside ``jax.checkpoint``, as a model that recomputes its layers in the backward.
+``--scan``: the layers as the body of one ``lax.scan`` (as models that scan over their layers);
+the launches in the loops' bodies, which run once a layer, are counted apart.
 
 Not compiled as on a GPU: without a device XLA cannot autotune (its GEMM and fusion tiles may
 differ), which leaves the launches' count and kinds as they are.
@@ -92,12 +94,18 @@ def thunks(text: str) -> dict:
     """Launches by kind from a thunk sequence's text (nested thunks counted where they run)."""
     counts = collections.Counter()
     xla_kernels = collections.Counter()
+    in_body, per_iteration = False, 0  # launches in a while loop's body (``--scan``: each layer's)
     for line in text.splitlines():
-        m = re.match(r"\s*\d+: (k\w+)", line)
+        if line.strip() == "body:":
+            in_body = True
+        m = re.match(r"(\s*)\d+: (k\w+)", line)
         if not m:
             continue
-        counts[m.group(1)] += 1
-        if m.group(1) == "kCustomKernel":
+        indent, kind = m.groups()
+        in_body = in_body and bool(indent)  # a thunk of the top level ends a loop's body
+        counts[kind] += 1
+        per_iteration += in_body and kind in ("kCustomKernel", "kCopy", "kCustomCall")
+        if kind == "kCustomKernel":
             xla_kernels[line.split("]")[1].split()[0]] += 1
     return dict(
         xla_kernels=counts["kCustomKernel"],
@@ -105,6 +113,7 @@ def thunks(text: str) -> dict:
         custom_calls=counts["kCustomCall"],
         command_buffers=counts["kCommandBuffer"],
         launches=counts["kCustomKernel"] + counts["kCopy"] + counts["kCustomCall"],
+        in_loop_bodies=per_iteration,
         by_name=dict(sorted(xla_kernels.items())),
     )
 
@@ -117,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, nargs="+", default=[1])
     p.add_argument("--checkpoint", action="store_true", help="each layer inside jax.checkpoint")
+    p.add_argument("--scan", action="store_true", help="the layers as the body of a lax.scan")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
     p.add_argument("--json")
@@ -144,8 +154,11 @@ def main(argv=None) -> int:
             layer = lambda q, k, v, rank: rank_attention(
                 q, k, v, rank, n, ids=ids, window=window, implementation="mosaic"
             )
+            step = jax.checkpoint(layer) if opts.checkpoint else layer
+            if opts.scan:  # the layers as one loop body, as models that scan over their layers
+                return jax.lax.scan(lambda q, _: (step(q, k, v, rank), None), q, None, length=layers)[0]
             for _ in range(layers):
-                q = (jax.checkpoint(layer) if opts.checkpoint else layer)(q, k, v, rank)
+                q = step(q, k, v, rank)
             return q
 
         f = fwd_bwd(attend)
@@ -155,14 +168,19 @@ def main(argv=None) -> int:
         # the sequence after XLA's thunk passes (command buffers) where they changed it
         after = [s for s in sequences if "after_thunk_passes" in s] or sequences
         with open(after[-1]) as fh:
-            row = dict(case=case, n=n, layers=layers, checkpoint=opts.checkpoint, seq=opts.seq, gpu=opts.gpu)
+            row = dict(
+                case=case, n=n, layers=layers, checkpoint=opts.checkpoint, scan=opts.scan, seq=opts.seq
+            )
+            row["gpu"] = opts.gpu
             row |= thunks(fh.read())
         rows.append(row)
         print(
-            f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s){' checkpointed' * opts.checkpoint} "
+            f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s){' scanned' * opts.scan}"
+            f"{' checkpointed' * opts.checkpoint} "
             f"({opts.gpu}): {row['launches']} "
             f"launches: {row['xla_kernels']} XLA kernels, {row['copies']} copies, "
-            f"{row['custom_calls']} custom calls (our kernels); {row['command_buffers']} command buffer(s)",
+            f"{row['custom_calls']} custom calls (our kernels); {row['command_buffers']} command buffer(s)"
+            + (f"; {row['in_loop_bodies']} of them in loop bodies (each layer's)" if opts.scan else ""),
             flush=True,
         )
         for name, count in row["by_name"].items():
