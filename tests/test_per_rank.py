@@ -6,7 +6,9 @@
   (the negative control);
 - a value that reads a traced one, or too large a table, is computed in the program as before;
 - the layer's output and gradients, and the Pallas kernels' in interpret mode, are the same bits
-  with the tables as without them.
+  with the tables as without them;
+- two layers in one program read one layer's constants (jax 0.12.1 passes each constant array to
+  XLA as a parameter of its own), and the backward takes the forward's masks.
 """
 
 from __future__ import annotations
@@ -294,3 +296,24 @@ def test_the_pallas_kernels_give_the_same_bits_with_and_without_tables(name):
             want = jax.jit(lambda rank: own_call(rank, q, kv, False))(jnp.int32(r))
             for a, b in zip(_leaves(got), _leaves(want), strict=True):
                 assert a.tobytes() == b.tobytes()
+
+
+def test_the_backward_takes_the_forwards_masks(monkeypatch):
+    """The layer's backward takes the forward's calls (their masks) as residuals: the plan makes
+    them once for a forward and backward of documents (whose masks are computed in the program),
+    so that a lax.scan over layers keeps them outside its loop, as it does the forward's."""
+    made = []
+    calls = plan.RankPlan.calls
+    monkeypatch.setattr(plan.RankPlan, "calls", lambda self, *a: made.append(1) or calls(self, *a))
+    ranks, seq = 4, 2 * 4 * 16
+    q, k, v, _ = (jnp.asarray(x) for x in ac.random_inputs(seq, heads=4, kv_heads=2, seed=9))
+    ids = jnp.asarray(ac.documents("crossing", seq, 1, chunk=16, seed=1))
+    spec = jax.sharding.PartitionSpec(None, "cp")
+
+    def body(q, k, v, ids):
+        attend = lambda q, k, v: cpg.dot_product_attention(q, k, v, axis_name="cp", segment_ids=ids)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return vjp(out)
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=cp_mesh(ranks), in_specs=spec, out_specs=spec))(q, k, v, ids)
+    assert len(made) == 1, len(made)

@@ -184,7 +184,7 @@ def _forward(cfg: Config, q, k, v, rank, words):
     calls = cfg.plan.calls(q, rank, words_glob)
     if not calls.remote:
         out, lse = _local_forward(cfg, calls.local, q, k, v)
-        return out, lse, (q, k, v, ((k, v),), out, lse, rank, words_glob)
+        return out, lse, (q, k, v, ((k, v),), out, lse, rank, calls)
     groups = cfg.head_groups
     qs, ks, vs = (_heads(x, groups) for x in (q, k, v))
     first_kv = (ks[0], vs[0]) if words_glob is None else _after(words_glob, (ks[0], vs[0]))
@@ -208,7 +208,7 @@ def _forward(cfg: Config, q, k, v, rank, words):
         for part in zip(*remote_parts, strict=True)
     ]
     out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined)
-    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, words_glob)
+    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, calls)
 
 
 def _merge_remote(plan, call: Call, local, parts):
@@ -253,8 +253,9 @@ def _attention_fwd(cfg: Config, q, k, v, rank, words):
 
 
 def _attention_bwd(cfg: Config, residuals, d_out):
-    q, k, v, kv_glob, out, lse, rank, words_glob = residuals
-    calls = cfg.plan.calls(q, rank, words_glob)  # the same calls (and masks) as the forward's
+    # the forward's calls (and masks), not computed again: under a lax.scan over layers they
+    # depend on the ids alone, and the scan keeps them outside its loop with the forward's
+    q, k, v, kv_glob, out, lse, rank, calls = residuals
     d_out = rounded(d_out, q.dtype)
     local_backward = functools.partial(_local_backward, cfg, calls.local)
     if not calls.remote:
