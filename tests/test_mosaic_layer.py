@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import os
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_cpgrad.attention import kernels, layer as layer_lib, mosaic_gpu
+from jax_cpgrad.attention import kernels, layer as layer_lib, mosaic_gpu, tile_plan
 
 mb = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
 
@@ -243,3 +244,29 @@ def test_interpret_layer_matches_reference_on_one_device(monkeypatch, name):
         budget = 2 * np.abs(lo - e).max()
         err = np.abs(g - e).max()
         assert err <= budget, f"{name} {what}: max |layer - ref| {err:.3g} > 2 x {budget / 2:.3g}"
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_the_backward_takes_its_tile_plans_from_the_forward(monkeypatch, R):
+    """With documents (masks computed in the program) the forward makes the kernels' backward tile
+    plans too (``kernels.prime_masked_backward``), and the backward, given the forward's calls as
+    residuals, makes none: under a ``lax.scan`` over layers it would make them in every step."""
+    _mosaic_anywhere(monkeypatch)
+    made = []
+    tile_ranges = tile_plan.tile_ranges
+
+    def counted(*args, **kw):
+        in_backward = any(frame.name == "_attention_bwd" for frame in traceback.extract_stack())
+        made.append("backward pass" if in_backward else "forward pass")
+        return tile_ranges(*args, **kw)
+
+    monkeypatch.setattr(tile_plan, "tile_ranges", counted)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
+    B, S, N, K = 1, 128 * R, 2, 1
+    args = (
+        jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
+        jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
+    )  # fmt: skip
+    jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"]))(*args)
+    calls = 1 if R == 1 else 2  # the local call, and the remote one
+    assert made == ["forward pass"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's

@@ -195,6 +195,11 @@ class Visibility:
     # (``per_rank.Table``) and this one's index, from which :meth:`derive` looks values up.
     rank: Any = None
     by_rank: per_rank.Table | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # What kernels made of it ahead of their calls (:meth:`with_derived`), under ``derived_keys``:
+    # the layer's forward makes its backward's tile plans, which travel with the forward's calls
+    # as residuals, so that a ``lax.scan`` over layers does not make them in every step.
+    derived: tuple = ()
+    derived_keys: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def q_len(self) -> int:
@@ -213,13 +218,27 @@ class Visibility:
         Where this is one rank's Visibility of a mask of the rank alone (``by_rank``), ``fn``
         runs for every rank's at trace time and the program looks this rank's up
         (``per_rank.py``; ``key`` names what ``fn`` depends on besides the mask, for its cache);
-        on concrete intervals it runs at trace time too."""
+        on concrete intervals it runs at trace time too. A value made ahead under ``key``
+        (:meth:`with_derived`) is taken as it is."""
+        if key in self.derived_keys:
+            return self.derived[self.derived_keys.index(key)]
         table = self.by_rank
         if table is None:
             with jax.ensure_compile_time_eval():
                 return fn(self)
         cache_key = None if table.key is None else (table.key, key)
         return per_rank.tabulate(lambda r: fn(table.values[r]), self.rank, table.num_ranks, cache_key)[0]
+
+    def with_derived(self, fn: Callable[[Visibility], Any], key: Hashable) -> Visibility:
+        """This Visibility with ``derive(fn, key)`` made now and kept (``derived``), for a later
+        ``derive`` of that key; itself where that is kept already or would be looked up from the
+        rank tables (cheap, and shared by the layers without it)."""
+        if key in self.derived_keys or self.by_rank is not None:
+            return self
+        value = self.derive(fn, key)
+        return dataclasses.replace(
+            self, derived=(*self.derived, value), derived_keys=(*self.derived_keys, key)
+        )
 
 
 def with_ranks(tree, table: per_rank.Table, rank):

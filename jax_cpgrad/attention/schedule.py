@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels
-from .plan import Call, RankPlan, edge_rows, take_segments, update_segments
+from .plan import Call, Calls, RankPlan, edge_rows, take_segments, update_segments
 from .rounding import rounded, rounded_into
 
 F32 = jnp.float32
@@ -69,17 +69,20 @@ def merge(*parts, rounding=rounded):
 
 
 def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
-    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have."""
+    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have, and
+    the call as its backward takes it (a masked call's Visibility with the backward's tile plans
+    made already: ``kernels.prime_masked_backward``)."""
     plan = cfg.plan
     qc = plan.take_rows(call, q)
     kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
     if call.vis is not None:  # masked
         out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale)
+        call = dataclasses.replace(call, vis=kernels.prime_masked_backward(cfg.impl, qc, kc, call.vis))
     else:
         out, lse = kernels.forward(
             cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len, window=call.window
         )
-    return plan.put_rows(call, out, 0), plan.put_lse(call, lse)
+    return (plan.put_rows(call, out, 0), plan.put_lse(call, lse)), call
 
 
 def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
@@ -109,8 +112,9 @@ def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d
 
 
 def _local_forward(cfg: Config, calls, q, k, v):
-    parts = [_call_forward(cfg, call, q, k, v, None, None, None) for call in calls]
-    return parts[0] if len(parts) == 1 else merge(*parts)
+    """The local part's (out, lse), and its calls as their backward takes them."""
+    parts, calls = zip(*(_call_forward(cfg, call, q, k, v, None, None, None) for call in calls), strict=True)
+    return (parts[0] if len(parts) == 1 else merge(*parts)), calls
 
 
 def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
@@ -124,8 +128,12 @@ def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
 
 def _remote_forward(cfg: Config, calls, q, k, v, k_glob, v_glob, rank):
     """The remote part's (out, lse) pairs, one per call, for these heads (``k``, ``v``: the rank's
-    own, which a plain window's halo call reads on rank R-1)."""
-    return [_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls]
+    own, which a plain window's halo call reads on rank R-1), and its calls as their backward takes
+    them."""
+    parts, calls = zip(
+        *(_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls), strict=True
+    )
+    return list(parts), calls
 
 
 def _remote_backward(cfg: Config, calls, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
@@ -179,36 +187,39 @@ def _transfers(cfg: Config, q):
 
 
 def _forward(cfg: Config, q, k, v, rank, words):
-    """(out, lse, residuals)."""
+    """(out, lse, residuals); the residuals hold the calls as the backward takes them (their
+    masks and the kernels' backward plans made here)."""
     words_glob = _gathered_ids(cfg, words)
     calls = cfg.plan.calls(q, rank, words_glob)
     if not calls.remote:
-        out, lse = _local_forward(cfg, calls.local, q, k, v)
-        return out, lse, (q, k, v, ((k, v),), out, lse, rank, calls)
+        (out, lse), local_calls = _local_forward(cfg, calls.local, q, k, v)
+        return out, lse, (q, k, v, ((k, v),), out, lse, rank, Calls(local_calls, ()))
     groups = cfg.head_groups
     qs, ks, vs = (_heads(x, groups) for x in (q, k, v))
     first_kv = (ks[0], vs[0]) if words_glob is None else _after(words_glob, (ks[0], vs[0]))
     remote = functools.partial(_remote_forward, cfg)
     local_fn = functools.partial(_local_forward, cfg)
     gather, _ = _transfers(cfg, q)
-    gathered, local = gather(first_kv, local_fn, calls.local, q, k, v)
+    gathered, (local, local_calls) = gather(first_kv, local_fn, calls.local, q, k, v)
     kv_glob, remote_parts = [gathered], []
     for g in range(1, groups):
         next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
-        gathered, parts = gather(
+        gathered, (parts, _) = gather(
             next_kv, remote, calls.remote, qs[g - 1], ks[g - 1], vs[g - 1], *kv_glob[-1], rank
         )
         kv_glob.append(gathered)
         remote_parts.append(parts)
     k_glob, v_glob = kv_glob[-1]
-    remote_parts.append(remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank))
+    # (every group's calls are alike: the last's, as the backward takes them)
+    parts, remote_calls = remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank)
+    remote_parts.append(parts)
     # call p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
     joined = [
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
         for part in zip(*remote_parts, strict=True)
     ]
     out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined)
-    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, calls)
+    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, Calls(local_calls, remote_calls))
 
 
 def _merge_remote(plan, call: Call, local, parts):

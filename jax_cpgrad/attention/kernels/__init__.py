@@ -109,6 +109,17 @@ def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: f
     return firm(_entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale))
 
 
+def prime_masked_backward(impl: str, q, k, vis: Visibility) -> Visibility:
+    """``vis`` with what the masked backward of ``impl`` on these q and k makes of it (its tile
+    plans) made now, where the kernel makes any: the layer's forward calls this, and its backward,
+    given the result as a residual, takes them from it."""
+    prime = by_name(impl).prime_backward
+    if prime is None:
+        return vis
+    (q,) = _call_rows(impl, vis, q)
+    return prime(q, k, vis)
+
+
 def _call_rows(impl: str, vis: Visibility, *xs):
     """``xs`` as the kernel takes them: whole where it reads a call's first rows in place
     (``rows_in_place``), else their first ``vis.q_len`` rows."""

@@ -42,6 +42,7 @@ KERNEL = Kernel(
     "mosaic",
     masked_forward=mosaic_gpu.forward,
     masked_backward=mosaic_gpu.backward,
+    prime_backward=mosaic_gpu.prime_backward,
     refuses=refuses,
     where="on sm_90 GPUs",
     plain_as_masked=True,

@@ -11,8 +11,17 @@ Nothing here touches a device at import: ``check_device`` reads ``jax.local_devi
 called, so the package imports (and lowers with ``jax.export``) on a machine without a GPU.
 """
 
-from .backward import BackwardConfig, backward
+from .backward import BackwardConfig, backward, prime_backward
 from .config import Config, check, check_device, default_config
 from .forward import forward
 
-__all__ = ["BackwardConfig", "Config", "backward", "check", "check_device", "default_config", "forward"]
+__all__ = [
+    "BackwardConfig",
+    "Config",
+    "backward",
+    "check",
+    "check_device",
+    "default_config",
+    "forward",
+    "prime_backward",
+]

@@ -465,6 +465,46 @@ def check(q, k, v, out, lse, d_out, vis, config: BackwardConfig) -> None:
         )
 
 
+def _plan(q_shape, k_shape, vis, config: BackwardConfig):
+    """``((Cq, Ck, Tp, Lp), layout, key, plan_of)`` of the backward of q ``[B, *, N, H]`` against k
+    ``[B, L, K, H]`` where ``vis`` allows: the two kernels' consumers, the padded rows and keys, and
+    both kernels' mask operands in one array (packed_plan.py: the padded intervals and the tile
+    plans, the rows' (dQ's, sections q_*) and the columns' (dK/dV's, k_*)), made by ``plan_of(vis)``
+    (``Visibility.derive``'s ``fn``, under ``key``)."""
+    (B, _, N, _), L = q_shape, k_shape[1]
+    T, bq, bk = vis.q_len, config.block_q, config.block_k
+    Cq, Ck = consumers_of(config, (B, T, N), k_shape, config_lib.sm_count())  # dQ's, dK/dV's
+    # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
+    Tp, Lp = tile_plan.cdiv(T, Cq * bq) * Cq * bq, tile_plan.cdiv(L, Ck * bk) * Ck * bk
+    layout = PackedPlan.of(
+        row_lo=Tp, row_hi=Tp, **ranges_lengths("q_", Tp // (Cq * bq)),
+        col_lo=Lp, col_hi=Lp, **ranges_lengths("k_", Lp // (Ck * bk)),
+    )  # fmt: skip
+
+    def plan_of(vis):
+        row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
+        col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
+        rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
+        cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
+        return layout.pack(
+            row_lo=row_lo, row_hi=row_hi, **ranges_sections("q_", rows),
+            col_lo=col_lo, col_hi=col_hi, **ranges_sections("k_", cols),
+        )  # fmt: skip
+
+    return (Cq, Ck, Tp, Lp), layout, ("backward", Tp, Lp, Cq, bq, Ck, bk), plan_of
+
+
+def prime_backward(q, k, vis, *, config: BackwardConfig | None = None):
+    """``vis`` with the plan :func:`backward` of these q and k makes of it made now
+    (``Visibility.with_derived``): the layer's forward makes it, and its backward, given this
+    Visibility as a residual, takes it rather than making it in its own pass (where, in a
+    ``lax.scan`` over layers, it would be made in every layer's step)."""
+    if config is None:
+        config = default_config(q.shape[-1] if q.ndim == 4 else 0)
+    _, _, key, plan_of = _plan(q.shape, k.shape, vis, config)
+    return vis.with_derived(plan_of, key)
+
+
 def backward(
     q, k, v, out, lse, d_out, vis: Visibility, *, scale: float, config: BackwardConfig | None = None
 ):
@@ -483,9 +523,7 @@ def backward(
     L, K = k.shape[1:3]
     bq, bk, S = config.block_q, config.block_k, config.num_stages
     via_smem = config.operands_via_smem
-    Cq, Ck = consumers_of(config, (B, T, N), k.shape, config_lib.sm_count())  # dQ's, dK/dV's
-    # a program's tile is C blocks (its outer tiles); the blocks are the other kernel's inner tiles
-    Tp, Lp = tile_plan.cdiv(T, Cq * bq) * Cq * bq, tile_plan.cdiv(L, Ck * bk) * Ck * bk
+    (Cq, Ck, Tp, Lp), layout, key, plan_of = _plan(q.shape, k.shape, vis, config)
     dtype = q.dtype
 
     # the base-2 lse in XLA; a row that sees nothing: lse +inf, so P = 0 (delta is the dQ kernel's)
@@ -493,24 +531,7 @@ def backward(
     qp, dop, outp = (leading_rows(x, T, Tp) for x in (q, d_out.astype(dtype), out))
     kp, vp = pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
 
-    # both kernels' mask operands in one array (packed_plan.py): the padded intervals and the
-    # tile plans, the rows' (dQ's, sections q_*) and the columns' (dK/dV's, k_*)
-    layout = PackedPlan.of(
-        row_lo=Tp, row_hi=Tp, **ranges_lengths("q_", Tp // (Cq * bq)),
-        col_lo=Lp, col_hi=Lp, **ranges_lengths("k_", Lp // (Ck * bk)),
-    )  # fmt: skip
-
-    def plan_of(vis):
-        row_lo, row_hi = (pad_axis(jnp.asarray(x, I32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
-        col_lo, col_hi = (pad_axis(jnp.asarray(x, I32), 1, Lp) for x in (vis.col_lo, vis.col_hi))
-        rows = tile_plan.tile_ranges(row_lo, row_hi, outer_block=Cq * bq, inner_block=bk, inner_len=Lp)
-        cols = tile_plan.tile_ranges(col_lo, col_hi, outer_block=Ck * bk, inner_block=bq, inner_len=Tp)
-        return layout.pack(
-            row_lo=row_lo, row_hi=row_hi, **ranges_sections("q_", rows),
-            col_lo=col_lo, col_hi=col_hi, **ranges_sections("k_", cols),
-        )  # fmt: skip
-
-    plan = vis.derive(plan_of, ("backward", Tp, Lp, Cq, bq, Ck, bk))
+    plan = vis.derive(plan_of, key)
 
     kw = dict(
         block_q=bq, block_k=bk, head_dim=H, groups=N // K, stages=S, scale=float(scale),
