@@ -169,9 +169,9 @@ def main(argv=None) -> int:
         after = [s for s in sequences if "after_thunk_passes" in s] or sequences
         with open(after[-1]) as fh:
             row = dict(
-                case=case, n=n, layers=layers, checkpoint=opts.checkpoint, scan=opts.scan, seq=opts.seq
-            )
-            row["gpu"] = opts.gpu
+                case=case, n=n, layers=layers, checkpoint=opts.checkpoint, scan=opts.scan, seq=opts.seq,
+                gpu=opts.gpu,
+            )  # fmt: skip
             row |= thunks(fh.read())
         rows.append(row)
         print(

@@ -73,6 +73,7 @@ def tabulate(
 
 _CACHE: dict[Hashable, Table | None] = {}
 _CACHE_SIZE = 256  # tables (the oldest go first), a few MiB at most each
+_SHARED: dict[tuple, np.ndarray] = {}  # shared()'s arrays by contents, as many at most
 
 
 def shared(x) -> np.ndarray:
@@ -96,9 +97,6 @@ def row(table, rank):
     """Row ``rank`` (an int or a traced int32) of a numpy table ``[R, ...]`` of every rank's
     values, taken from its :func:`shared` constant."""
     return jnp.asarray(shared(table))[rank]
-
-
-_SHARED: dict[tuple, np.ndarray] = {}
 
 
 def _table(fn: Callable[[int], Any], num_ranks: int, key: Hashable | None) -> Table | None:

@@ -130,10 +130,8 @@ def positions(lay: Layout, rank: int):
 
 def rank_positions(lay: Layout, rank):
     """:func:`positions` for a rank that may be traced (tables indexed at run time)."""
-    tables = [positions(lay, r) for r in range(lay.num_ranks)]
-    return per_rank.row(np.stack([t[0] for t in tables]), rank), per_rank.row(
-        np.stack([t[1] for t in tables]), rank
-    )
+    pos, valid = zip(*(positions(lay, r) for r in range(lay.num_ranks)), strict=True)
+    return per_rank.row(np.stack(pos), rank), per_rank.row(np.stack(valid), rank)
 
 
 def _chunks(x, c: int):
