@@ -27,6 +27,8 @@
 #   GPU: plain, documents and windows, R = 1 and 2 and 4 processes sharing the GPU), about 400 s;
 # - cudnn_window_tests: its cuDNN window tests (causal windows through cuDNN's plain calls, R = 1,
 #   2 and 4); needs the CUDA build;
+# - attention_tests: layer_tests, cudnn_window_tests and halo_tests at once, as XDIST (default 6)
+#   pytest workers sharing the GPU (the tests' processes compile on the host's cores side by side);
 # - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s
 #   (268 s for both cases before the halo's call took the edge rows alone; since, the R = 2 case
 #   alone did not finish in 150 s, and it is not known whether it slowed): give it a whole command.
@@ -136,6 +138,10 @@ for s in "${stages[@]}"; do
       BENCH_ENV=XLA_FLAGS=--xla_gpu_deterministic_ops=true bench bench_det 100 --head-dim 128 --kv-heads 8 \
         $(args_of bench_det)
       ;;
+    attention_tests)  # all three at once, XDIST (default 6) pytest workers sharing the GPU
+      stage attention_tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -v -rs -p no:cacheprovider \
+        -n "${XDIST:-6}" tests/test_gpu_attention.py $(args_of attention_tests)
+      ;;
     layer_tests | halo_tests | cudnn_window_tests)  # about 400 s, about 300 s, about 200 s
       case $s in
         halo_tests) select=halo ;;
@@ -212,7 +218,7 @@ for s in "${stages[@]}"; do
           --ideal layer --rank-implementation mosaic --rounds 2 --json "$OUT/patch_per_rank_$side.json"
       done
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window, patch_tests, patch_ab)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, attention_tests, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window, patch_tests, patch_ab)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
