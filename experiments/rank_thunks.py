@@ -18,11 +18,12 @@ Run (``JAX_PLATFORMS=cpu``: jax must not open the plugin as a backend, which nee
 
     JAX_PLATFORMS=cpu PYTHONPATH=.pjrt .venv/bin/python experiments/rank_thunks.py \
         --seq 32k --n 8 --cases window512 causal documents4096 [--layers 1 2] [--gpu h200] \
-        [--checkpoint] [--scan] [--dump DIR] [--json out.json]
+        [--checkpoint [--save-masks]] [--scan] [--dump DIR] [--json out.json]
 
 ``--layers L``: L calls in one program, each layer's output the next one's queries (what a model's
 step shares between its layers: masks of one configuration are computed once). ``--checkpoint``:
-each call inside ``jax.checkpoint``, as a model that recomputes its layers in the backward.
+each call inside ``jax.checkpoint``, as a model that recomputes its layers in the backward
+(``--save-masks``: with ``jax_cpgrad.masks_checkpoint_policy()``, which keeps the layer's masks).
 ``--scan``: the layers as the body of one ``lax.scan`` (as models that scan over their layers);
 the launches in the loops' bodies, which run once a layer, are counted apart.
 
@@ -53,7 +54,7 @@ from attention import document_ids, fwd_bwd, human_tokens, parse_tokens, rank_at
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from jax_cpgrad.attention import kernels  # noqa: E402
+from jax_cpgrad.attention import kernels, masks_checkpoint_policy  # noqa: E402
 
 # name -> (window, documents' length: the sequence cut in documents of that many tokens)
 CASES = {
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, nargs="+", default=[1])
     p.add_argument("--checkpoint", action="store_true", help="each layer inside jax.checkpoint")
     p.add_argument("--scan", action="store_true", help="the layers as the body of a lax.scan")
+    p.add_argument(
+        "--save-masks", action="store_true", help="with --checkpoint: the policy that keeps the masks"
+    )
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
     p.add_argument("--json")
@@ -154,7 +158,8 @@ def main(argv=None) -> int:
             layer = lambda q, k, v, rank: rank_attention(
                 q, k, v, rank, n, ids=ids, window=window, implementation="mosaic"
             )
-            step = jax.checkpoint(layer) if opts.checkpoint else layer
+            policy = masks_checkpoint_policy() if opts.save_masks else None
+            step = jax.checkpoint(layer, policy=policy) if opts.checkpoint else layer
             if opts.scan:  # the layers as one loop body, as models that scan over their layers
                 return jax.lax.scan(lambda q, _: (step(q, k, v, rank), None), q, None, length=layers)[0]
             for _ in range(layers):
@@ -169,14 +174,15 @@ def main(argv=None) -> int:
         after = [s for s in sequences if "after_thunk_passes" in s] or sequences
         with open(after[-1]) as fh:
             row = dict(
-                case=case, n=n, layers=layers, checkpoint=opts.checkpoint, scan=opts.scan, seq=opts.seq,
+                case=case, n=n, layers=layers, checkpoint=opts.checkpoint, save_masks=opts.save_masks,
+                scan=opts.scan, seq=opts.seq,
                 gpu=opts.gpu,
             )  # fmt: skip
             row |= thunks(fh.read())
         rows.append(row)
         print(
             f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s){' scanned' * opts.scan}"
-            f"{' checkpointed' * opts.checkpoint} "
+            f"{' checkpointed' * opts.checkpoint}{' (masks saved)' * opts.save_masks} "
             f"({opts.gpu}): {row['launches']} "
             f"launches: {row['xla_kernels']} XLA kernels, {row['copies']} copies, "
             f"{row['custom_calls']} custom calls (our kernels); {row['command_buffers']} command buffer(s)"

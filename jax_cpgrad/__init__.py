@@ -11,13 +11,19 @@ XLA collectives.
 from ._native import HAS_CUDA
 from ._version import __version__ as __version__
 from .api import all_gather, all_gather_overlapped, grad_return, grad_return_overlapped, grad_return_reference
-from .attention import attention_workspace_nbytes, dot_product_attention
+from .attention import (
+    MASKS_CHECKPOINT_NAME,
+    attention_workspace_nbytes,
+    dot_product_attention,
+    masks_checkpoint_policy,
+)
 from .document_layout import balanced_document_order, permute_tokens, unpermute_tokens
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
 from .workspace import Workspace, workspace_bytes
 
 __all__ = [
     "HAS_CUDA",
+    "MASKS_CHECKPOINT_NAME",
     "Workspace",
     "all_gather",
     "attention_workspace_nbytes",
@@ -30,6 +36,7 @@ __all__ = [
     "grad_return_reference",
     "layout_order",
     "local_chunks",
+    "masks_checkpoint_policy",
     "permute_tokens",
     "to_cp_layout",
     "unpermute_tokens",

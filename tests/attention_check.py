@@ -81,6 +81,7 @@ def cp_layer(
     workspace=None,
     implementation=None,
     remat=False,
+    remat_policy=None,
     scale=None,
     head_groups=1,
     segment_ids=None,
@@ -102,7 +103,7 @@ def cp_layer(
         transfer_when_alone=transfer_when_alone,
     )
     if remat:
-        layer = jax.checkpoint(layer)
+        layer = jax.checkpoint(layer, policy=remat_policy)
 
     def body(q, k, v, ct, *ids):
         attend = lambda q, k, v: layer(q, k, v, segment_ids=ids[0] if ids else None)

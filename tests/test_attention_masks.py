@@ -358,6 +358,11 @@ def test_masks_under_jax_checkpoint_and_a_custom_scale():
     _check(4, window=11, documents="crossing", remat=True, scale=0.3)
 
 
+def test_masks_under_jax_checkpoint_with_the_policy_that_keeps_them():
+    """``masks_checkpoint_policy`` (the masks saved, the rest recomputed): the same results."""
+    _check(4, window=11, documents="crossing", remat=True, remat_policy=cpg.masks_checkpoint_policy())
+
+
 def test_masks_ignore_transfer_when_alone():
     """At R = 1 a masked call has no remote part, with or without the transport's test path."""
     _check(1, window=3, documents="short", transfer_when_alone=True)

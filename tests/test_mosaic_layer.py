@@ -36,6 +36,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import jax_cpgrad
 from jax_cpgrad.attention import kernels, layer as layer_lib, mosaic_gpu, tile_plan
 
 mb = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
@@ -70,16 +71,20 @@ def _mosaic_anywhere(monkeypatch, **entries):
     monkeypatch.setattr(kernels, "KERNELS", replaced)
 
 
-def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False):
-    """shard_map of (out, (dq, dk, dv)) of sum(out * d_out) for the layer, over axis "cp"."""
+def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False, wrap=lambda layer: layer):
+    """shard_map of (out, (dq, dk, dv)) of sum(out * d_out) for the layer (``wrap(layer)``, e.g.
+    checkpointed), over axis "cp"."""
     mask = dict(mask)
     documents = mask.pop("documents", False)
-
-    def loss(q, k, v, d_out, ids):
-        out = layer_lib.attention(
+    layer = wrap(
+        lambda q, k, v, ids: layer_lib.attention(
             q, k, v, axis_name="cp", implementation="mosaic", segment_ids=ids if documents else None,
             transfer_when_alone=transfer_when_alone, **mask,
-        )  # fmt: skip
+        )
+    )  # fmt: skip
+
+    def loss(q, k, v, d_out, ids):
+        out = layer(q, k, v, ids)
         return jax.lax.psum(jnp.sum(out.astype(F32) * d_out), "cp"), out
 
     def f(q, k, v, d_out, ids):
@@ -270,3 +275,43 @@ def test_the_backward_takes_its_tile_plans_from_the_forward(monkeypatch, R):
     jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"]))(*args)
     calls = 1 if R == 1 else 2  # the local call, and the remote one
     assert made == ["forward pass"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's
+
+
+def _primitives(jaxpr, name: str) -> int:
+    """How many equations of primitive ``name`` a jaxpr holds, its inner jaxprs' included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if hasattr(sub, "eqns"):
+                    count += _primitives(sub, name)
+    return count
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_a_checkpointed_layer_keeps_its_masks_with_the_policy(monkeypatch, R):
+    """Under ``jax.checkpoint`` the backward computes the layer's forward again, its masks and tile
+    plans with it (documents: each plan a sort); with ``masks_checkpoint_policy`` it takes them
+    from the forward, and the program sorts as often as without the checkpoint. The checkpoint
+    without the policy is the control: it sorts more."""
+    _mosaic_anywhere(monkeypatch)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
+    B, S, N, K = 1, 128 * R, 2, 1
+    args = (
+        jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
+        jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
+    )  # fmt: skip
+    wraps = {
+        "plain": lambda layer: layer,
+        "checkpoint": jax.checkpoint,
+        "policy": functools.partial(jax.checkpoint, policy=jax_cpgrad.masks_checkpoint_policy()),
+    }
+    sorts = {
+        name: _primitives(jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"], wrap=wrap))(*args).jaxpr, "sort")
+        for name, wrap in wraps.items()
+    }
+    assert sorts["plain"] > 0, sorts
+    assert sorts["checkpoint"] > sorts["plain"], sorts
+    assert sorts["policy"] == sorts["plain"], sorts

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import per_rank
+from .checkpointing import named_masks
 
 I32 = jnp.int32
 # Positions and window bounds are clipped here, so that p - left and p + right stay in int32.
@@ -223,11 +224,13 @@ class Visibility:
         if key in self.derived_keys:
             return self.derived[self.derived_keys.index(key)]
         table = self.by_rank
-        if table is None:
+        if table is None:  # named: a checkpoint policy may keep it (checkpointing.py)
             with jax.ensure_compile_time_eval():
-                return fn(self)
+                return named_masks(fn(self))
         cache_key = None if table.key is None else (table.key, key)
-        return per_rank.tabulate(lambda r: fn(table.values[r]), self.rank, table.num_ranks, cache_key)[0]
+        return named_masks(
+            per_rank.tabulate(lambda r: fn(table.values[r]), self.rank, table.num_ranks, cache_key)[0]
+        )
 
     def with_derived(self, fn: Callable[[Visibility], Any], key: Hashable) -> Visibility:
         """This Visibility with ``derive(fn, key)`` made now and kept (``derived``), for a later

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels
+from .checkpointing import named_masks
 from .plan import Call, Calls, RankPlan, edge_rows, take_segments, update_segments
 from .rounding import rounded, rounded_into
 
@@ -190,7 +191,8 @@ def _forward(cfg: Config, q, k, v, rank, words):
     """(out, lse, residuals); the residuals hold the calls as the backward takes them (their
     masks and the kernels' backward plans made here)."""
     words_glob = _gathered_ids(cfg, words)
-    calls = cfg.plan.calls(q, rank, words_glob)
+    # named, so that a checkpoint policy can keep them for the backward (checkpointing.py)
+    calls = named_masks(cfg.plan.calls(q, rank, words_glob))
     if not calls.remote:
         (out, lse), local_calls = _local_forward(cfg, calls.local, q, k, v)
         return out, lse, (q, k, v, ((k, v),), out, lse, rank, Calls(local_calls, ()))
