@@ -31,7 +31,14 @@ def named_masks(tree):
 
 
 def masks_checkpoint_policy(policy: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """A ``jax.checkpoint`` policy that saves the layer's masks (and what ``policy`` saves, if
-    given), so that a checkpointed layer's backward does not compute them again."""
+    """A ``jax.checkpoint`` policy that saves the layer's masks, and leaves every other value to
+    ``policy`` (any policy, offloading ones included; None: recomputed), so that a checkpointed
+    layer's backward does not compute the masks again."""
     masks = jax.checkpoint_policies.save_only_these_names(MASKS_CHECKPOINT_NAME)
-    return masks if policy is None else jax.checkpoint_policies.save_from_both_policies(policy, masks)
+
+    def keep_masks(prim, *args, **params):
+        if masks(prim, *args, **params):
+            return True
+        return False if policy is None else policy(prim, *args, **params)
+
+    return keep_masks
