@@ -1,13 +1,15 @@
 """The demo: a few context-parallel training steps of the package's transformer (jax_cpgrad.models).
 
     python -m jax_cpgrad.demo [--n R] [--seq-len S] [--dtype float32|bfloat16] [--steps STEPS]
+        [--documents LEN] [--window W] [--remat]
 
 Picks what the machine has: several GPUs in one process -> both transports (peer and XLA/NCCL),
 one GPU -> R processes sharing it (peer transport only: NCCL refuses duplicate GPUs), no GPU ->
 8 CPU devices and the XLA transport. Prints the loss per step, the difference against the same
 model run unsharded, and the time per step of each transport, and ends with one line: PASS when
 every transport's first-step gradients match the unsharded model's within the tolerance (exit
-code 0), FAIL otherwise (exit code 1).
+code 0), FAIL otherwise (exit code 1). ``--documents``, ``--window`` and ``--remat``: packed
+documents, a sliding-window layer, checkpointed layers (the unsharded model takes the same masks).
 """
 
 from __future__ import annotations
@@ -40,6 +42,25 @@ def _parse(argv):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        metavar="LEN",
+        help="pack each row with documents of about LEN tokens (segment ids; default: one sequence)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="the first layer a sliding window of W tokens (local_window_size), the second global",
+    )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="each layer under jax.checkpoint, with the policy that keeps the masks",
+    )
     p.add_argument("--cpu", action="store_true", help="force 8 CPU devices and the XLA transport")
     return p.parse_args(argv)
 
@@ -114,7 +135,11 @@ def _run(opts, platform: str) -> int:
     devices = jax.devices()
     n = min(opts.n or len(devices), len(devices))
     mesh = Mesh(np.array(devices[:n]), ("cp",))
-    cfg = Config(seq_len=opts.seq_len, batch=opts.batch, dtype=opts.dtype)
+    window = () if opts.window is None else ({"local_window_size": opts.window}, {})
+    cfg = Config(
+        seq_len=opts.seq_len, batch=opts.batch, dtype=opts.dtype, layer_attention=window,
+        documents=opts.documents, remat=opts.remat,
+    )  # fmt: skip
     shared_gpu = platform == "gpu-ranks" and launch.ranks_share_gpu()
     transports = []
     if platform != "cpu":
@@ -132,13 +157,16 @@ def _run(opts, platform: str) -> int:
     _say(
         f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq_len}, "
         f"batch {cfg.batch}, {cfg.dtype}"
+        + (f"; documents of about {cfg.documents} tokens" if cfg.documents else "")
+        + (f"; layer 0 a window of {opts.window}, layer 1 global" if opts.window else "")
+        + ("; layers checkpointed (masks kept)" if cfg.remat else "")
     )
 
     params0 = init_params(cfg, seed=0)
     batches = [synthetic_batch(cfg, seed=i) for i in range(opts.steps)]
-    tokens0, targets0 = batches[0]
+    tokens0, targets0, *ids0 = batches[0]  # ids0: [segment ids] with --documents
     with jax.default_device(jax.local_devices()[0]):
-        ref_loss, ref_grads = reference_loss_and_grads(params0, tokens0, targets0, cfg)
+        ref_loss, ref_grads = reference_loss_and_grads(params0, tokens0, targets0, cfg, *ids0)
     ref_loss, ref_grads = float(ref_loss), jax.tree.map(lambda g: np.asarray(g, np.float64), ref_grads)
 
     report = []
@@ -150,8 +178,8 @@ def _run(opts, platform: str) -> int:
         params = replicate(mesh, params0)
         losses, times = [], []
         diff_loss = diff_grad = rel_grad = None
-        for i, (tokens, targets) in enumerate(batches):
-            sharded = shard_batch(mesh, tokens, targets)
+        for i, batch in enumerate(batches):
+            sharded = shard_batch(mesh, *batch)
             t0 = time.perf_counter()
             params, loss, grads = step(params, *sharded)
             loss = float(local_value(loss))

@@ -35,6 +35,14 @@ def test_demo_runs_on_cpu_and_matches_the_reference():
     assert last.startswith("PASS: CP gradients (xla transport) match the unsharded model (max rel err "), last
 
 
+def test_demo_with_documents_a_window_and_checkpointed_layers_matches_the_reference():
+    args = ["--cpu", "--seq-len", "256", "--steps", "2", "--documents", "40", "--window", "24", "--remat"]
+    out = run_python(["-m", "jax_cpgrad.demo", *args])
+    assert "documents of about 40 tokens; layer 0 a window of 24, layer 1 global; layers checkpointed" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: CP gradients (xla transport) match the unsharded model (max rel err "), last
+
+
 def _find_nvcc():
     for candidate in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
         path = os.path.join(candidate, "bin", "nvcc")

@@ -18,6 +18,7 @@ from jax_cpgrad.models.transformer import (
     layer_param_shapes,
     reference_loss_and_grads,
     synthetic_batch,
+    unsharded_attention,
 )
 from spmd import cp_mesh
 
@@ -29,12 +30,12 @@ TOL = {"float32": dict(rtol=2e-4, atol=2e-6), "bfloat16": dict(rtol=5e-2, atol=5
 
 def _check_against_unsharded(cfg, ranks, dtype):
     params = init_params(cfg, seed=1)
-    tokens, targets = synthetic_batch(cfg, seed=2)
+    batch = synthetic_batch(cfg, seed=2)  # tokens, targets (and segment ids with cfg.documents)
     with jax.default_device(jax.devices("cpu")[0]):  # on a GPU machine, keep TF32 matmuls out
-        ref_loss, ref_grads = reference_loss_and_grads(params, tokens, targets, cfg)
+        ref_loss, ref_grads = reference_loss_and_grads(params, *batch[:2], cfg, *batch[2:])
     mesh = cp_mesh(ranks, "cpu")
     step = make_train_step(cfg, mesh)
-    _, loss, grads = local_value(step(replicate(mesh, params), *shard_batch(mesh, tokens, targets)))
+    _, loss, grads = local_value(step(replicate(mesh, params), *shard_batch(mesh, *batch)))
     np.testing.assert_allclose(loss, ref_loss, **TOL[dtype])
     for (path, g), r in zip(
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True
@@ -107,3 +108,37 @@ def test_a_cp_step_mixing_sliding_window_and_global_layers_matches_unsharded():
     window = {"local_window_size": 24}  # wider than a chunk (8 tokens at R = 4): crosses ranks
     cfg = dataclasses.replace(SMALL, layers=3, layer_attention=(window, {}))
     _check_against_unsharded(cfg, 4, "float32")
+
+
+def test_a_cp_step_with_packed_documents_a_window_and_checkpointed_layers_matches_unsharded():
+    """Documents of about 12 tokens (across chunks and ranks at R = 4), a window layer and a global
+    one, each layer under jax.checkpoint with the masks kept: the unsharded model with the same
+    document mask gets the same loss and gradients."""
+    window = {"local_window_size": 10}
+    cfg = dataclasses.replace(SMALL, layers=3, layer_attention=(window, {}), documents=12, remat=True)
+    _check_against_unsharded(cfg, 4, "float32")
+
+
+def test_synthetic_documents_reach_every_layer():
+    """synthetic_batch's segment ids: increasing from 0, documents of about the length asked; the
+    loss with them differs from the loss without (each layer's attention stays in its document)."""
+    cfg = dataclasses.replace(SMALL, documents=8)
+    tokens, targets, ids = synthetic_batch(cfg, seed=0)
+    assert ids.shape == tokens.shape and ids.dtype == np.int32
+    assert (ids[:, 0] == 0).all() and (np.diff(ids, axis=1) >= 0).all()
+    assert 3 < cfg.seq_len / (ids[:, -1].mean() + 1) < 20  # about 8 tokens a document
+    seen = []
+
+    def attend(q, k, v, **options):
+        seen.append(sorted(options))
+        return unsharded_attention(q, k, v, **options)
+
+    params = init_params(cfg)
+    packed = forward_loss(params, tokens, targets, cfg, attend, ids)
+    assert seen == [["segment_ids"]] * cfg.layers
+    assert float(packed) != float(forward_loss(params, tokens, targets, cfg, attend))
+
+
+def test_the_config_checks_the_documents_length():
+    with pytest.raises(ValueError, match="documents=0 must be a positive length"):
+        Config(documents=0)

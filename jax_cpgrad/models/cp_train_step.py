@@ -49,13 +49,15 @@ def workspace_nbytes(cfg: Config, ranks: int, params) -> int:
 
 
 def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis: str = "cp"):
-    """jit-compiled step(params, tokens, targets) -> (new_params, mean_loss, grads).
+    """jit-compiled step(params, tokens, targets[, segment_ids]) -> (new_params, mean_loss, grads).
 
-    ``tokens``/``targets`` are [batch, seq_len] in CP layout, sharded over ``axis`` on dim 1.
+    ``tokens``/``targets`` (and, with ``cfg.documents``, the documents' ``segment_ids``: what
+    ``synthetic_batch`` returns) are [batch, seq_len] in CP layout, sharded over ``axis`` on
+    dim 1 (``shard_batch``).
     """
     ranks = mesh.shape[axis]
 
-    def body(params, tokens, targets):
+    def body(params, tokens, targets, *segment_ids):
         def attend(q, k, v, **options):  # options: the layer's, from cfg.layer_attention
             return dot_product_attention(
                 q,
@@ -68,7 +70,8 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
                 **options,
             )
 
-        loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, attend)
+        ids = segment_ids[0] if segment_ids else None
+        loss_sum, grads = jax.value_and_grad(forward_loss)(params, tokens, targets, cfg, attend, ids)
         flat, unravel = ravel_pytree(grads)
         packed = jnp.concatenate([flat, loss_sum[None].astype(jnp.float32)])
         if workspace is None:
@@ -85,15 +88,16 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
     step = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(), P(None, axis), P(None, axis)),
+        in_specs=(P(), *[P(None, axis)] * (2 if cfg.documents is None else 3)),
         out_specs=(P(), P(), P()),
         check_vma=False,
     )
     return jax.jit(step)
 
 
-def shard_batch(mesh, tokens: np.ndarray, targets: np.ndarray, axis: str = "cp"):
-    """Natural-order [batch, seq] arrays -> CP layout, sharded over the axis (any process count)."""
+def shard_batch(mesh, *arrays: np.ndarray, axis: str = "cp"):
+    """Natural-order [batch, seq] arrays (tokens, targets and any segment ids) -> CP layout, sharded
+    over the axis (any process count)."""
     ranks = mesh.shape[axis]
     sharding = NamedSharding(mesh, P(None, axis))
 
@@ -103,7 +107,7 @@ def shard_batch(mesh, tokens: np.ndarray, targets: np.ndarray, axis: str = "cp")
             return jax.device_put(laid, sharding)
         return jax.make_array_from_callback(laid.shape, sharding, lambda idx: laid[idx])
 
-    return [place(tokens), place(targets)]
+    return [place(a) for a in arrays]
 
 
 def replicate(mesh, tree):

@@ -13,12 +13,15 @@ weights, used in ``Config.dtype``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ..attention import masks_checkpoint_policy
 
 # attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H], **layer options) -> [B, T, N, H]
 Attend = Callable[..., jax.Array]
@@ -44,6 +47,13 @@ class Config:
     # CP layer and to the unsharded reference (jax.nn.dot_product_attention), so an option works
     # here as soon as the layer takes it.
     layer_attention: tuple[Mapping[str, Any], ...] = ()
+    # Packed documents: ``synthetic_batch`` cuts each row into documents of about this many tokens
+    # (random lengths) and returns their segment ids too; every layer's attention then stays within
+    # each document. None: each row is one sequence.
+    documents: int | None = None
+    # Each layer under ``jax.checkpoint`` (recomputed in the backward), with the policy that keeps
+    # the CP layer's masks (``jax_cpgrad.masks_checkpoint_policy``).
+    remat: bool = False
 
     def __post_init__(self):
         k = self.num_kv_heads
@@ -51,6 +61,8 @@ class Config:
             raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads}")
         if self.head_groups < 1 or k % self.head_groups:
             raise ValueError(f"head_groups={self.head_groups} must divide the {k} key/value heads")
+        if self.documents is not None and self.documents < 1:
+            raise ValueError(f"documents={self.documents} must be a positive length, or None")
         object.__setattr__(self, "layer_attention", tuple(dict(o) for o in self.layer_attention))
 
     @property
@@ -103,12 +115,20 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
 
 
 def synthetic_batch(cfg: Config, seed: int):
-    """Token rows that follow t[i+1] = (t[i] + stride) mod vocab: learnable from the context."""
+    """Token rows that follow t[i+1] = (t[i] + stride) mod vocab: learnable from the context.
+    ``(tokens, targets)``, and with ``cfg.documents`` their segment ids too (int32 ``[B, S]``,
+    increasing: documents of random lengths, ``cfg.documents`` tokens on average)."""
     rng = np.random.default_rng(seed)
     start = rng.integers(0, cfg.vocab, size=(cfg.batch, 1))
     stride = rng.integers(1, 8, size=(cfg.batch, 1))
     tokens = (start + stride * np.arange(cfg.seq_len + 1)) % cfg.vocab
-    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)  # inputs, targets
+    batch = tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)  # inputs, targets
+    if cfg.documents is None:
+        return batch
+    # a document starts at each token with probability 1 / documents (the first always)
+    starts = rng.random((cfg.batch, cfg.seq_len)) < 1 / cfg.documents
+    starts[:, 0] = True
+    return (*batch, np.cumsum(starts, axis=1, dtype=np.int32) - 1)
 
 
 def rms_norm(x, scale):
@@ -116,54 +136,74 @@ def rms_norm(x, scale):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
 
 
-def unsharded_attention(q, k, v, **options):
-    """Causal attention of the whole sequence on one device (``[B, S, N, H]``, K/V at K heads)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, **options)
+def unsharded_attention(q, k, v, segment_ids=None, **options):
+    """Causal attention of the whole sequence on one device (``[B, S, N, H]``, K/V at K heads);
+    with ``segment_ids`` (``[B, S]``, each document one run of equal ids) within each document."""
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, **options)
 
 
 def apply_layers(
-    layers: Sequence[Mapping], x, cfg: Config, attend: Attend, kv_probes: Sequence | None = None
+    layers: Sequence[Mapping],
+    x,
+    cfg: Config,
+    attend: Attend,
+    kv_probes: Sequence | None = None,
+    segment_ids=None,
 ):
     """The stack of layers on hidden states ``x [B, T, d_model]`` (in ``cfg.dtype``): per layer
     RMSNorm, Q/K/V projections, ``attend(q, k, v, **cfg.attention_options(i))``, output
-    projection, residual, RMSNorm, GELU MLP, residual.
+    projection, residual, RMSNorm, GELU MLP, residual; each under ``jax.checkpoint`` with
+    ``cfg.remat``.
 
     kv_probes: per layer (pk, pv) ``[B, T, K, H]`` added to K and V after their projection; with
     zeros, their gradients are dK/dV as the owners of these tokens receive them (the benchmark's
-    precision mode). None: nothing added.
+    precision mode). None: nothing added. segment_ids: ``[B, T]``, passed to every ``attend`` as
+    its ``segment_ids``; None: not passed.
     """
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x.shape
     project = lambda h, w, heads: (h @ w.astype(dt)).reshape(b, t, heads, cfg.d_head)
-    for i, p in enumerate(layers):
+    documents = {} if segment_ids is None else {"segment_ids": segment_ids}
+
+    def layer(i: int, p, x, probes):
         h = rms_norm(x, p["norm1"])
         q = project(h, p["wq"], cfg.heads)
         k, v = project(h, p["wk"], cfg.num_kv_heads), project(h, p["wv"], cfg.num_kv_heads)
-        if kv_probes:
-            k, v = k + kv_probes[i][0], v + kv_probes[i][1]
-        x = x + attend(q, k, v, **cfg.attention_options(i)).reshape(b, t, -1) @ p["wo"].astype(dt)
+        if probes:
+            k, v = k + probes[0], v + probes[1]
+        attended = attend(q, k, v, **documents, **cfg.attention_options(i))
+        x = x + attended.reshape(b, t, -1) @ p["wo"].astype(dt)
         h = rms_norm(x, p["norm2"])
-        x = x + jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)
+        return x + jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)
+
+    for i, p in enumerate(layers):
+        step: Callable[..., Any] = functools.partial(layer, i)
+        if cfg.remat:  # the CP layer's masks kept for the backward, the rest recomputed
+            step = jax.checkpoint(step, policy=masks_checkpoint_policy())
+        x = step(p, x, kv_probes[i] if kv_probes else ())
     return x
 
 
-def forward_loss(params, tokens, targets, cfg: Config, attend: Attend):
+def forward_loss(params, tokens, targets, cfg: Config, attend: Attend, segment_ids=None):
     """Summed next-token cross-entropy of the given (local) tokens.
 
     attend(q, k, v, **options) -> [B, T, N, H]: causal attention; unsharded on one device, or
-    ``jax_cpgrad.dot_product_attention`` on one CP rank's tokens.
+    ``jax_cpgrad.dot_product_attention`` on one CP rank's tokens. segment_ids: the tokens'
+    documents (``synthetic_batch``'s, in the tokens' layout), or None.
     """
     x = params["embed"][tokens].astype(jnp.dtype(cfg.dtype))
-    x = apply_layers(params["layers"], x, cfg, attend)
+    x = apply_layers(params["layers"], x, cfg, attend, segment_ids=segment_ids)
     logits = rms_norm(x, params["norm_f"]).astype(jnp.float32) @ params["embed"].T
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def reference_loss_and_grads(params, tokens, targets, cfg: Config):
-    """The unsharded model on one device: mean loss and its gradients."""
+def reference_loss_and_grads(params, tokens, targets, cfg: Config, segment_ids=None):
+    """The unsharded model on one device: mean loss and its gradients (``segment_ids``: the
+    documents of ``synthetic_batch`` with ``cfg.documents``, else None)."""
 
     def mean_loss(p):
-        return forward_loss(p, tokens, targets, cfg, unsharded_attention) / tokens.size
+        return forward_loss(p, tokens, targets, cfg, unsharded_attention, segment_ids) / tokens.size
 
     return jax.value_and_grad(mean_loss)(params)
