@@ -1,7 +1,7 @@
 """A whole context-parallel training step, timed end to end: the package's transformer layers
 (``jax_cpgrad.models.transformer``) with jax_cpgrad's CP attention layer, forward and full
 backward, with the K/V gather and the dK/dV return on each transport side by side (same
-parameters, same data). Makes the results' training-step tables ("CP training steps on 2 H200s",
+parameters, same data). Makes the results' training-step tables ("A CP training step, x2, R = 2",
 "Overlap on one H200", the layer's steps at R = 1: ``*_cp_step_*`` in benchmarks/results/).
 
     python benchmarks/cp_step.py --seq 8k 16k --hidden 2048 --kv-heads mha 4 --transport xla peer none
