@@ -28,11 +28,12 @@
 # - cudnn_window_tests: its cuDNN window tests (causal windows through cuDNN's plain calls, R = 1,
 #   2 and 4); needs the CUDA build;
 # - attention_tests: layer_tests, cudnn_window_tests and halo_tests at once, as XDIST (default 6)
-#   pytest workers sharing the GPU (the tests' processes compile on the host's cores side by side);
-# - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes), about 300 s
-#   (268 s for both cases before the halo's call took the edge rows alone; since, the R = 2 case
-#   alone did not finish in 150 s, and it is not known whether it slowed): give it a whole command.
-#   Each of the two in a command of its own. Both need the CUDA build.
+#   pytest workers sharing the GPU (the tests' processes compile on the host's cores side by side;
+#   all twelve, negative controls and the missing neighbour included, passed so in 261 s on an
+#   H200; without pytest-xdist, one at a time, which may not fit one command);
+# - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes, the negative
+#   control, a missing neighbour), 348-455 s one at a time: give it a whole command (or run
+#   attention_tests). Both need the CUDA build.
 # - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
 #   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
@@ -139,8 +140,10 @@ for s in "${stages[@]}"; do
         $(args_of bench_det)
       ;;
     attention_tests)  # all three at once, XDIST (default 6) pytest workers sharing the GPU
+      workers=(-n "${XDIST:-6}")
+      python3 -c 'import xdist' 2>/dev/null || { say "=== no pytest-xdist: one test at a time"; workers=(); }
       stage attention_tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -v -rs -p no:cacheprovider \
-        -n "${XDIST:-6}" tests/test_gpu_attention.py $(args_of attention_tests)
+        "${workers[@]}" tests/test_gpu_attention.py $(args_of attention_tests)
       ;;
     layer_tests | halo_tests | cudnn_window_tests)  # about 400 s, about 300 s, about 200 s
       case $s in

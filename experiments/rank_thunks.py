@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--dump", help="a folder: each case's XLA dump (the optimized HLO, the thunks)")
     p.add_argument("--json")
     opts = p.parse_args(argv)
+    if opts.save_masks and not opts.checkpoint:
+        p.error("--save-masks is a policy of --checkpoint: give both")
     if jax.default_backend() != "cpu":
         raise SystemExit("run with JAX_PLATFORMS=cpu (see the docstring)")
     # the layer refuses our kernels off Hopper: here there is no device at all to ask

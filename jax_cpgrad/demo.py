@@ -158,7 +158,7 @@ def _run(opts, platform: str) -> int:
         f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq_len}, "
         f"batch {cfg.batch}, {cfg.dtype}"
         + (f"; documents of about {cfg.documents} tokens" if cfg.documents else "")
-        + (f"; layer 0 a window of {opts.window}, layer 1 global" if opts.window else "")
+        + (f"; layer 0 a window of {opts.window}, layer 1 global" if opts.window is not None else "")
         + ("; layers checkpointed (masks kept)" if cfg.remat else "")
     )
 

@@ -359,8 +359,22 @@ def test_masks_under_jax_checkpoint_and_a_custom_scale():
 
 
 def test_masks_under_jax_checkpoint_with_the_policy_that_keeps_them():
-    """``masks_checkpoint_policy`` (the masks saved, the rest recomputed): the same results."""
-    _check(4, window=11, documents="crossing", remat=True, remat_policy=cpg.masks_checkpoint_policy())
+    """``masks_checkpoint_policy`` (the masks saved, the rest recomputed): the reference's results,
+    and the same bits as the plain checkpoint's and as no checkpoint's. (That it keeps the masks:
+    test_mosaic_layer.py counts the backward's tile plans.)"""
+    policy = cpg.masks_checkpoint_policy()
+    _check(4, window=11, documents="crossing", remat=True, remat_policy=policy)
+    seq = 2 * 4 * CHUNK
+    inputs = ac.random_inputs(seq, seed=5)
+    ids = ac.documents("crossing", seq, 1, chunk=CHUNK, seed=4)
+    run = lambda **kw: ac.cp_layer(
+        cp_mesh(4), inputs, dtype=jnp.float32, segment_ids=ids, local_window_size=11, **kw
+    )
+    kept = run(remat=True, remat_policy=policy)
+    for other in (run(remat=True), run()):
+        for name, by_rank in kept.items():
+            for rank, rows in by_rank.items():
+                np.testing.assert_array_equal(rows, other[name][rank], err_msg=f"{name} rank {rank}")
 
 
 def test_masks_ignore_transfer_when_alone():

@@ -115,8 +115,30 @@ def test_a_cp_step_with_packed_documents_a_window_and_checkpointed_layers_matche
     one, each layer under jax.checkpoint with the masks kept: the unsharded model with the same
     document mask gets the same loss and gradients."""
     window = {"local_window_size": 10}
-    cfg = dataclasses.replace(SMALL, layers=3, layer_attention=(window, {}), documents=12, remat=True)
+    cfg = dataclasses.replace(
+        SMALL, kv_heads=1, layers=3, layer_attention=(window, {}), documents=12, remat=True
+    )
     _check_against_unsharded(cfg, 4, "float32")
+    mesh = cp_mesh(4, "cpu")
+    batch = shard_batch(mesh, *synthetic_batch(cfg, seed=2))
+    text = str(jax.make_jaxpr(make_train_step(cfg, mesh))(replicate(mesh, init_params(cfg)), *batch))
+    # jax.checkpoint: "remat2" in a differentiated jaxpr (its forward and its recomputation)
+    assert text.count("remat2[") >= cfg.layers and "name=jax_cpgrad_masks" in text
+
+
+def test_the_step_takes_a_batch_with_or_without_segment_ids():
+    """The step's arity follows the batch, not the config: ids of one document each row give the
+    plain causal step's loss; four arrays are refused."""
+    mesh = cp_mesh(2, "cpu")
+    step = make_train_step(SMALL, mesh)
+    params = replicate(mesh, init_params(SMALL))
+    tokens, targets = synthetic_batch(SMALL, seed=0)
+    one_document = np.zeros_like(tokens)
+    plain = local_value(step(params, *shard_batch(mesh, tokens, targets))[1])
+    packed = local_value(step(params, *shard_batch(mesh, tokens, targets, one_document))[1])
+    np.testing.assert_allclose(packed, plain, rtol=1e-6)
+    with pytest.raises(ValueError, match="got 4 batch arrays"):
+        step(params, *shard_batch(mesh, tokens, targets, one_document, one_document))
 
 
 def test_synthetic_documents_reach_every_layer():

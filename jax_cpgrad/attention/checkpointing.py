@@ -2,14 +2,20 @@
 layer's backward can keep the forward's rather than compute them again from the segment ids.
 
 A checkpointed layer recomputes its forward in the backward, the masks with it: for documents,
-about a hundred small launches a layer (finding in benchmarks/results/README.md, "Layers under
-``lax.scan``"). The masks are small (int32 intervals and tile plans: a few KiB a call), so saving
-them costs next to nothing. With the policy below (alone, or joined with the model's own), a
-checkpointed layer keeps them::
+about a hundred small launches a layer (benchmarks/results/README.md, "Checkpointed layers keep
+their masks"). The masks are small beside the activations (a few int32 a query row and a key, per
+call: tens to hundreds of KiB a layer at 32k tokens a rank), so saving them costs little. With the
+policy below (called; alone, or joined with the model's own), a checkpointed layer keeps them, on
+the device whatever the joined policy does with other values::
 
     layer = jax.checkpoint(layer, policy=jax_cpgrad.masks_checkpoint_policy())
     layer = jax.checkpoint(layer, policy=jax_cpgrad.masks_checkpoint_policy(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable))
+
+With jax's ``jax_remat3`` flag on (off by default in jax 0.11 and 0.12), names made inside a
+custom VJP's forward cannot be saved, and the layer makes its masks there: the policy keeps none
+(the layer runs as under a plain checkpoint). Making the masks before the custom VJP would lift
+that.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ MASKS_CHECKPOINT_NAME = "jax_cpgrad_masks"
 
 
 def named_masks(tree):
-    """``tree`` with each of its arrays named ``MASKS_CHECKPOINT_NAME`` (its other leaves as
-    they are)."""
-    name = lambda x: checkpoint_name(x, MASKS_CHECKPOINT_NAME) if isinstance(x, jax.Array) else x
+    """``tree`` with each of its traced arrays named ``MASKS_CHECKPOINT_NAME`` (its other leaves,
+    constants included, as they are: a policy would save a named constant as a residual)."""
+    name = lambda x: checkpoint_name(x, MASKS_CHECKPOINT_NAME) if isinstance(x, jax.core.Tracer) else x
     return jax.tree.map(name, tree)
 
 

@@ -51,13 +51,17 @@ def workspace_nbytes(cfg: Config, ranks: int, params) -> int:
 def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis: str = "cp"):
     """jit-compiled step(params, tokens, targets[, segment_ids]) -> (new_params, mean_loss, grads).
 
-    ``tokens``/``targets`` (and, with ``cfg.documents``, the documents' ``segment_ids``: what
-    ``synthetic_batch`` returns) are [batch, seq_len] in CP layout, sharded over ``axis`` on
-    dim 1 (``shard_batch``).
+    ``tokens``/``targets`` (and, for packed documents, their ``segment_ids``: each document one
+    run of equal ids, as ``synthetic_batch`` makes them with ``cfg.documents``) are [batch,
+    seq_len] in CP layout, sharded over ``axis`` on dim 1 (``shard_batch``).
     """
     ranks = mesh.shape[axis]
 
-    def body(params, tokens, targets, *segment_ids):
+    def body(params, batch):
+        if len(batch) not in (2, 3):
+            raise ValueError(f"step(params, tokens, targets[, segment_ids]): got {len(batch)} batch arrays")
+        tokens, targets, *segment_ids = batch
+
         def attend(q, k, v, **options):  # options: the layer's, from cfg.layer_attention
             return dot_product_attention(
                 q,
@@ -85,14 +89,15 @@ def make_train_step(cfg: Config, mesh, *, workspace=None, lr: float = 0.5, axis:
 
     # check_vma=False: parameters enter replicated and their gradients stay per-rank partial
     # sums until the explicit reduction above (no implicit psum is inserted).
+    # The batch as one tuple, its one spec for each of its arrays: the step takes segment ids or not.
     step = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(), *[P(None, axis)] * (2 if cfg.documents is None else 3)),
+        in_specs=(P(), P(None, axis)),
         out_specs=(P(), P(), P()),
         check_vma=False,
     )
-    return jax.jit(step)
+    return jax.jit(lambda params, *batch: step(params, batch))
 
 
 def shard_batch(mesh, *arrays: np.ndarray, axis: str = "cp"):

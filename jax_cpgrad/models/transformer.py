@@ -47,9 +47,10 @@ class Config:
     # CP layer and to the unsharded reference (jax.nn.dot_product_attention), so an option works
     # here as soon as the layer takes it.
     layer_attention: tuple[Mapping[str, Any], ...] = ()
-    # Packed documents: ``synthetic_batch`` cuts each row into documents of about this many tokens
-    # (random lengths) and returns their segment ids too; every layer's attention then stays within
-    # each document. None: each row is one sequence.
+    # Packed documents in the synthetic data: ``synthetic_batch`` cuts each row into documents of
+    # about this many tokens (random lengths) and returns their segment ids too, which the step and
+    # the reference take (any ids do: the step takes a batch with or without them). None: each row
+    # is one sequence.
     documents: int | None = None
     # Each layer under ``jax.checkpoint`` (recomputed in the backward), with the policy that keeps
     # the CP layer's masks (``jax_cpgrad.masks_checkpoint_policy``).
