@@ -251,6 +251,18 @@ def test_interpret_layer_matches_reference_on_one_device(monkeypatch, name):
         assert err <= budget, f"{name} {what}: max |layer - ref| {err:.3g} > 2 x {budget / 2:.3g}"
 
 
+def _documents_grad_inputs(R: int):
+    """A mesh of R CPU devices and ``_grad_fn``'s (q, k, v, d_out, ids) for documents of 100
+    tokens over 128 x R, zeros (what tracing them needs)."""
+    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
+    B, S, N, K = 1, 128 * R, 2, 1
+    args = (
+        jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
+        jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
+    )  # fmt: skip
+    return mesh, args
+
+
 @pytest.mark.parametrize("R", [1, 4])
 def test_the_backward_takes_its_tile_plans_from_the_forward(monkeypatch, R):
     """With documents (masks computed in the program) the forward makes the kernels' backward tile
@@ -266,12 +278,7 @@ def test_the_backward_takes_its_tile_plans_from_the_forward(monkeypatch, R):
         return tile_ranges(*args, **kw)
 
     monkeypatch.setattr(tile_plan, "tile_ranges", counted)
-    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
-    B, S, N, K = 1, 128 * R, 2, 1
-    args = (
-        jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
-        jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
-    )  # fmt: skip
+    mesh, args = _documents_grad_inputs(R)
     jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"]))(*args)
     calls = 1 if R == 1 else 2  # the local call, and the remote one
     assert made == ["forward pass"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's
@@ -297,12 +304,7 @@ def test_a_checkpointed_layer_keeps_its_masks_with_the_policy(monkeypatch, R):
     from the forward, and the program sorts as often as without the checkpoint. The checkpoint
     without the policy is the control: it sorts more."""
     _mosaic_anywhere(monkeypatch)
-    mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
-    B, S, N, K = 1, 128 * R, 2, 1
-    args = (
-        jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
-        jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
-    )  # fmt: skip
+    mesh, args = _documents_grad_inputs(R)
     wraps = {
         "plain": lambda layer: layer,
         "checkpoint": jax.checkpoint,

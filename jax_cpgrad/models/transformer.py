@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import masks_checkpoint_policy
+from ..attention.masks import run_ids
 
 # attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H], **layer options) -> [B, T, N, H]
 Attend = Callable[..., jax.Array]
@@ -139,8 +140,10 @@ def rms_norm(x, scale):
 
 def unsharded_attention(q, k, v, segment_ids=None, **options):
     """Causal attention of the whole sequence on one device (``[B, S, N, H]``, K/V at K heads);
-    with ``segment_ids`` (``[B, S]``, each document one run of equal ids) within each document."""
-    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    with ``segment_ids`` (``[B, S]``, each document one run of equal ids, as the CP layer takes
+    them) within each document."""
+    runs = None if segment_ids is None else run_ids(segment_ids)
+    mask = None if runs is None else (runs[:, :, None] == runs[:, None, :])[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, **options)
 
 
