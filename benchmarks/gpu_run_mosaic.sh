@@ -36,7 +36,9 @@
 #   attention_tests). Both need the CUDA build.
 # - per_rank: benchmarks/attention.py --ideal layer --rank-implementation mosaic at S = 32k, 8 KV
 #   heads, R = 1-8, with a window of 512, of 4096, and documents of 4096 (about 90 s each);
-#   per_rank_mixes: the same with document_balance.py's short, long and mixed documents;
+#   per_rank_mixes: the same with document_balance.py's short, long and mixed documents
+#   (PER_RANK_SEQ: another length, e.g. 128k, its files named _s128k; PER_RANK_LIMIT_S: each
+#   mask's limit, default 200 s);
 #   per_rank_balanced: the mixes again in jax_cpgrad.balanced_document_order's order (--balanced-order);
 #   per_rank_window_kernels: the window of 512 (WINDOW=4096: of 4096, a chunk or more from R = 4)
 #   on cuDNN's plain calls, then on ours (one after the other in the same command; STAGE_ARGS
@@ -158,10 +160,11 @@ for s in "${stages[@]}"; do
       masks=("--window 512" "--window 4096" "--documents 4096")
       [ "$s" != per_rank ] && masks=("--documents short" "--documents long" "--documents mixed")
       [ "$s" = per_rank_balanced ] && masks=("${masks[@]/%/ --balanced-order}")
+      seq=${PER_RANK_SEQ:-32k}
       for mask in "${masks[@]}"; do
-        name=per_rank_$(echo "$mask" | tr -d ' -')
+        name=per_rank_$(echo "$mask" | tr -d ' -')$([ "$seq" != 32k ] && echo "_s$seq")
         # shellcheck disable=SC2086  # $mask is two words
-        stage "$name" 200 python3 benchmarks/attention.py --seq 32k --kv-heads 8 --n 1 2 4 8 $mask \
+        stage "$name" "${PER_RANK_LIMIT_S:-200}" python3 benchmarks/attention.py --seq "$seq" --kv-heads 8 --n 1 2 4 8 $mask \
           --rank-implementation mosaic --ideal layer --json "$OUT/$name.json" --png "$OUT/$name.png" \
           $(args_of "$s")
       done

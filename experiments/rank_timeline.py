@@ -4,7 +4,7 @@ Backs the question of what keeps a rank's masked attention above its share at sm
 (benchmarks/results/README.md, finding 12: "small chunks pay fixed costs"): is it the attention
 kernels themselves (a short grid fills the GPU less well), the masks' small XLA ops, or the gaps
 between launches? One H200; the rank's fwd + bwd (``rank_without_transfer``, as
-benchmarks/attention.py reads it), for each case:
+benchmarks/attention.py reads it; documents of 4096 with the whole sequence's ids), for each case:
 
 - the time per call, back to back (the benchmark's reading);
 - from a profiler trace of a few calls: every kernel by name (time and launches per call), their
@@ -34,16 +34,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
-from attention import back_to_back, fwd_bwd, human_tokens, inputs, parse_tokens  # noqa: E402
+from attention import back_to_back, document_ids, fwd_bwd, human_tokens, inputs, parse_tokens, rank_attention  # noqa: E402
 from mosaic_attention import config_changes  # noqa: E402
-
-from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 
 # the module (the package re-exports its function under the same name)
 mosaic_backward = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
 
-CASES = {"causal": None, "window512": 512, "window4096": 4096}
+# name -> (window, documents' length: the sequence cut in documents of that many tokens)
+CASES = {
+    "causal": (None, None),
+    "window512": (512, None),
+    "window4096": (4096, None),
+    "documents4096": (None, 4096),
+}
 
 
 def kind(name: str) -> str:
@@ -123,10 +128,11 @@ def main(argv=None) -> int:
             for n in opts.n:
                 local = opts.seq // n
                 data = inputs(local, 32, opts.kv_heads, 128, seed=n)
-                window = CASES[case]
+                window, document = CASES[case]
+                ids = None if document is None else np.asarray(document_ids(opts.seq, document))
                 f = fwd_bwd(
-                    lambda q, k, v, rank, n=n, w=window, i=impl: rank_without_transfer(
-                        q, k, v, rank, n, local_window_size=w, implementation=i
+                    lambda q, k, v, rank, n=n, w=window, i=impl, ids=ids: rank_attention(
+                        q, k, v, rank, n, ids=ids, window=w, implementation=i
                     )
                 )
                 args = (*data, jnp.int32(n - 1))
