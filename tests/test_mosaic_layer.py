@@ -21,6 +21,7 @@ tests replace the mosaic entry of ``kernels.KERNELS`` with one that refuses noth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -263,25 +264,38 @@ def _documents_grad_inputs(R: int):
     return mesh, args
 
 
+# documents alone, and with each kind of window: its halo (left < c), a wider one (gathering the
+# ranks it reaches), two-sided without causal (c = 128 tokens a chunk at R = 4)
+DOCUMENT_MASKS = {
+    "documents": MASKS["documents"],
+    "halo": dict(is_causal=True, local_window_size=(40, 0), documents=True),
+    "wide_window": dict(is_causal=True, local_window_size=(100, 0), documents=True),
+    "two_sided": dict(is_causal=False, local_window_size=(20, 30), documents=True),
+}
+
+
+@pytest.mark.parametrize("mask", DOCUMENT_MASKS)
 @pytest.mark.parametrize("R", [1, 4])
-def test_the_backward_takes_its_tile_plans_from_the_forward(monkeypatch, R):
-    """With documents (masks computed in the program) the forward makes the kernels' backward tile
-    plans too (``kernels.prime_masked_backward``), and the backward, given the forward's calls as
-    residuals, makes none: under a ``lax.scan`` over layers it would make them in every step."""
+def test_the_layer_makes_its_tile_plans_before_its_custom_vjp(monkeypatch, R, mask):
+    """With documents (masks computed in the program) the layer makes the kernels' tile plans with
+    its masks, before its custom VJP (``kernels.prime_masked``), where a checkpoint policy can keep
+    them (with jax's ``jax_remat3`` flag too), and the VJP's forward and backward, given them, make
+    none: under a ``lax.scan`` over layers the backward would make them in every step. Made for the
+    operands the calls get, or a kernel would make its own in the VJP."""
     _mosaic_anywhere(monkeypatch)
     made = []
     tile_ranges = tile_plan.tile_ranges
 
     def counted(*args, **kw):
-        in_backward = any(frame.name == "_attention_bwd" for frame in traceback.extract_stack())
-        made.append("backward pass" if in_backward else "forward pass")
+        frames = {frame.name for frame in traceback.extract_stack()}
+        made.append(next((f for f in ("_attention_fwd", "_attention_bwd") if f in frames), "before the VJP"))
         return tile_ranges(*args, **kw)
 
     monkeypatch.setattr(tile_plan, "tile_ranges", counted)
     mesh, args = _documents_grad_inputs(R)
-    jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"]))(*args)
+    jax.make_jaxpr(_grad_fn(mesh, DOCUMENT_MASKS[mask]))(*args)
     calls = 1 if R == 1 else 2  # the local call, and the remote one
-    assert made == ["forward pass"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's
+    assert made == ["before the VJP"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's
 
 
 def _primitives(jaxpr, name: str) -> int:
@@ -297,12 +311,27 @@ def _primitives(jaxpr, name: str) -> int:
     return count
 
 
+@contextlib.contextmanager
+def _remat3(on: bool):
+    """jax's ``jax_remat3`` flag set to ``on`` inside (a skip where this jax has no such flag)."""
+    before = getattr(jax.config, "jax_remat3", None)
+    if before is None:
+        pytest.skip("this jax has no jax_remat3 flag")
+    jax.config.update("jax_remat3", on)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
+@pytest.mark.parametrize("remat3", [False, True], ids=["remat", "remat3"])
 @pytest.mark.parametrize("R", [1, 4])
-def test_a_checkpointed_layer_keeps_its_masks_with_the_policy(monkeypatch, R):
+def test_a_checkpointed_layer_keeps_its_masks_with_the_policy(monkeypatch, R, remat3):
     """Under ``jax.checkpoint`` the backward computes the layer's forward again, its masks and tile
     plans with it (documents: each plan a sort); with ``masks_checkpoint_policy`` it takes them
     from the forward, and the program sorts as often as without the checkpoint. The checkpoint
-    without the policy is the control: it sorts more."""
+    without the policy is the control: it sorts more. With jax's ``jax_remat3`` flag too, which
+    saves no name made inside a custom VJP's forward: the layer makes its masks before its own."""
     _mosaic_anywhere(monkeypatch)
     mesh, args = _documents_grad_inputs(R)
     wraps = {
@@ -310,10 +339,9 @@ def test_a_checkpointed_layer_keeps_its_masks_with_the_policy(monkeypatch, R):
         "checkpoint": jax.checkpoint,
         "policy": functools.partial(jax.checkpoint, policy=jax_cpgrad.masks_checkpoint_policy()),
     }
-    sorts = {
-        name: _primitives(jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"], wrap=wrap))(*args).jaxpr, "sort")
-        for name, wrap in wraps.items()
-    }
+    grad_jaxpr = lambda wrap: jax.make_jaxpr(_grad_fn(mesh, MASKS["documents"], wrap=wrap))(*args).jaxpr
+    with _remat3(remat3):
+        sorts = {name: _primitives(grad_jaxpr(wrap), "sort") for name, wrap in wraps.items()}
     assert sorts["plain"] > 0, sorts
     assert sorts["checkpoint"] > sorts["plain"], sorts
     assert sorts["policy"] == sorts["plain"], sorts

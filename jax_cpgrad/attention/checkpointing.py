@@ -12,10 +12,11 @@ the device whatever the joined policy does with other values::
     layer = jax.checkpoint(layer, policy=jax_cpgrad.masks_checkpoint_policy(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable))
 
-With jax's ``jax_remat3`` flag on (off by default in jax 0.11 and 0.12), names made inside a
-custom VJP's forward cannot be saved, and the layer makes its masks there: the policy keeps none
-(the layer runs as under a plain checkpoint). Making the masks before the custom VJP would lift
-that.
+With jax's ``jax_remat3`` flag on (off by default in jax 0.11 and 0.12) jax saves no name made
+inside a custom VJP's forward, so the layer makes its masks (and its kernels' tile plans) before
+its custom VJP and passes them in (``schedule.attention``). Masks without documents are looked up
+from per-rank tables inside the kernels' calls (``Visibility.derive``): under that flag those
+lookups (a few launches) are made again in the backward.
 """
 
 from __future__ import annotations

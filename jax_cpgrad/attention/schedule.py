@@ -70,20 +70,17 @@ def merge(*parts, rounding=rounded):
 
 
 def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
-    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have, and
-    the call as its backward takes it (a masked call's Visibility with the backward's tile plans
-    made already: ``kernels.prime_masked_backward``)."""
+    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have."""
     plan = cfg.plan
     qc = plan.take_rows(call, q)
     kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
     if call.vis is not None:  # masked
         out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale)
-        call = dataclasses.replace(call, vis=kernels.prime_masked_backward(cfg.impl, qc, kc, call.vis))
     else:
         out, lse = kernels.forward(
             cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len, window=call.window
         )
-    return (plan.put_rows(call, out, 0), plan.put_lse(call, lse)), call
+    return plan.put_rows(call, out, 0), plan.put_lse(call, lse)
 
 
 def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
@@ -113,9 +110,9 @@ def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d
 
 
 def _local_forward(cfg: Config, calls, q, k, v):
-    """The local part's (out, lse), and its calls as their backward takes them."""
-    parts, calls = zip(*(_call_forward(cfg, call, q, k, v, None, None, None) for call in calls), strict=True)
-    return (parts[0] if len(parts) == 1 else merge(*parts)), calls
+    """The local part's (out, lse)."""
+    parts = [_call_forward(cfg, call, q, k, v, None, None, None) for call in calls]
+    return parts[0] if len(parts) == 1 else merge(*parts)
 
 
 def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
@@ -129,12 +126,8 @@ def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
 
 def _remote_forward(cfg: Config, calls, q, k, v, k_glob, v_glob, rank):
     """The remote part's (out, lse) pairs, one per call, for these heads (``k``, ``v``: the rank's
-    own, which a plain window's halo call reads on rank R-1), and its calls as their backward takes
-    them."""
-    parts, calls = zip(
-        *(_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls), strict=True
-    )
-    return list(parts), calls
+    own, which a plain window's halo call reads on rank R-1)."""
+    return [_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls]
 
 
 def _remote_backward(cfg: Config, calls, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
@@ -187,41 +180,57 @@ def _transfers(cfg: Config, q):
     )
 
 
-def _forward(cfg: Config, q, k, v, rank, words):
-    """(out, lse, residuals); the residuals hold the calls as the backward takes them (their
-    masks and the kernels' backward plans made here)."""
-    words_glob = _gathered_ids(cfg, words)
-    # named, so that a checkpoint policy can keep them for the backward (checkpointing.py)
-    calls = named_masks(cfg.plan.calls(q, rank, words_glob))
+def _rank_calls(cfg: Config, q, k, rank, words_glob) -> Calls:
+    """The rank's calls as the forward and the backward take them: their masks, and the kernels'
+    tile plans made from them (``kernels.prime_masked``; made once, here, so that a ``lax.scan``
+    over layers does not make the backward's in every step). Made before the custom VJP and named,
+    so that a checkpoint policy can keep them (checkpointing.py)."""
+    calls = cfg.plan.calls(q, rank, words_glob)
+    local = tuple(_primed(cfg, call, q, k, groups=1) for call in calls.local)
+    remote = tuple(_primed(cfg, call, q, k, groups=cfg.head_groups) for call in calls.remote)
+    return named_masks(Calls(local, remote))
+
+
+def _primed(cfg: Config, call: Call, q, k, *, groups: int) -> Call:
+    """``call`` with its masked kernels' plans made, for the call's operands as the forward gives
+    them: q's rows (``take_rows``) of one group's heads, against ``vis.k_len`` keys."""
+    if call.vis is None:
+        return call
+    heads = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], x.shape[2] // groups, x.shape[3]), x.dtype)
+    qc = jax.eval_shape(functools.partial(cfg.plan.take_rows, call), heads(q))
+    kc = jax.ShapeDtypeStruct((qc.shape[0], call.vis.k_len, *heads(k).shape[2:]), k.dtype)
+    return dataclasses.replace(call, vis=kernels.prime_masked(cfg.impl, qc, kc, call.vis))
+
+
+def _forward(cfg: Config, q, k, v, rank, words_glob, calls: Calls):
+    """(out, lse, residuals); the residuals hold the calls, which the backward takes."""
     if not calls.remote:
-        (out, lse), local_calls = _local_forward(cfg, calls.local, q, k, v)
-        return out, lse, (q, k, v, ((k, v),), out, lse, rank, Calls(local_calls, ()))
+        out, lse = _local_forward(cfg, calls.local, q, k, v)
+        return out, lse, (q, k, v, ((k, v),), out, lse, rank, calls)
     groups = cfg.head_groups
     qs, ks, vs = (_heads(x, groups) for x in (q, k, v))
     first_kv = (ks[0], vs[0]) if words_glob is None else _after(words_glob, (ks[0], vs[0]))
     remote = functools.partial(_remote_forward, cfg)
     local_fn = functools.partial(_local_forward, cfg)
     gather, _ = _transfers(cfg, q)
-    gathered, (local, local_calls) = gather(first_kv, local_fn, calls.local, q, k, v)
+    gathered, local = gather(first_kv, local_fn, calls.local, q, k, v)
     kv_glob, remote_parts = [gathered], []
     for g in range(1, groups):
         next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
-        gathered, (parts, _) = gather(
+        gathered, parts = gather(
             next_kv, remote, calls.remote, qs[g - 1], ks[g - 1], vs[g - 1], *kv_glob[-1], rank
         )
         kv_glob.append(gathered)
         remote_parts.append(parts)
     k_glob, v_glob = kv_glob[-1]
-    # (every group's calls are alike: the last's, as the backward takes them)
-    parts, remote_calls = remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank)
-    remote_parts.append(parts)
+    remote_parts.append(remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank))
     # call p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
     joined = [
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
         for part in zip(*remote_parts, strict=True)
     ]
     out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined)
-    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, Calls(local_calls, remote_calls))
+    return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, calls)
 
 
 def _merge_remote(plan, call: Call, local, parts):
@@ -253,15 +262,24 @@ def _after(previous, xs):
     return jax.lax.optimization_barrier((previous, xs))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(cfg: Config, q, k, v, rank, words):
     """The rank's attention output [B, T, N, H]; ``rank`` is its int32 index on the axis, ``words``
-    its segment ids as int32 words [B, T, W] (``plan.id_words``) or None."""
-    return _forward(cfg, q, k, v, rank, words)[0]
+    its segment ids as int32 words [B, T, W] (``plan.id_words``) or None.
+
+    The ids' gather and the calls (masks, tile plans) are made here, outside the custom VJP, and
+    passed to it: jax saves named values made inside a custom VJP's forward only without its
+    ``jax_remat3`` flag, so there a checkpoint policy could not keep them."""
+    words_glob = _gathered_ids(cfg, words)
+    return _attention(cfg, q, k, v, rank, words_glob, _rank_calls(cfg, q, k, rank, words_glob))
 
 
-def _attention_fwd(cfg: Config, q, k, v, rank, words):
-    out, _, residuals = _forward(cfg, q, k, v, rank, words)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: Config, q, k, v, rank, words_glob, calls: Calls):
+    return _forward(cfg, q, k, v, rank, words_glob, calls)[0]
+
+
+def _attention_fwd(cfg: Config, q, k, v, rank, words_glob, calls: Calls):
+    out, _, residuals = _forward(cfg, q, k, v, rank, words_glob, calls)
     return out, residuals
 
 
@@ -272,7 +290,7 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     d_out = rounded(d_out, q.dtype)
     local_backward = functools.partial(_local_backward, cfg, calls.local)
     if not calls.remote:
-        return (*local_backward(q, k, v, out, lse, d_out), None, None)
+        return (*local_backward(q, k, v, out, lse, d_out), None, None, None)
     groups = cfg.head_groups
     qs, ks, vs, outs, d_outs = (_heads(x, groups) for x in (q, k, v, out, d_out))
     lses = _heads(lse, groups, axis=1)
@@ -310,8 +328,8 @@ def _attention_bwd(cfg: Config, residuals, d_out):
         at = lambda x: take_segments(x, returned_rows)
         (dk,) = update_segments((dk_l,), added(k), returned_rows, axes=(1,), others=[(at(dk_back), 1)])
         (dv,) = update_segments((dv_l,), added(v), returned_rows, axes=(1,), others=[(at(dv_back), 1)])
-        return dq, dk, dv, None, None
-    return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None
+        return dq, dk, dv, None, None, None
+    return dq, total(k, dk_back, dk_l, own[0]), total(v, dv_back, dv_l, own[1]), None, None, None
 
 
 def _returned_rows(cfg: Config, c: int):
@@ -326,4 +344,4 @@ def _returned_rows(cfg: Config, c: int):
     return None if rows == ((0, 2 * c),) else rows
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)

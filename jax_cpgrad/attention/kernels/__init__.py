@@ -109,11 +109,11 @@ def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: f
     return firm(_entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale))
 
 
-def prime_masked_backward(impl: str, q, k, vis: Visibility) -> Visibility:
-    """``vis`` with what the masked backward of ``impl`` on these q and k makes of it (its tile
-    plans) made now, where the kernel makes any: the layer's forward calls this, and its backward,
-    given the result as a residual, takes them from it."""
-    prime = by_name(impl).prime_backward
+def prime_masked(impl: str, q, k, vis: Visibility) -> Visibility:
+    """``vis`` with what the masked forward and backward of ``impl`` on these q and k (arrays or
+    shapes) make of it (their tile plans) made now, where the kernel makes any: the layer calls
+    this with its masks, and its calls take them from the result."""
+    prime = by_name(impl).prime
     if prime is None:
         return vis
     (q,) = _call_rows(impl, vis, q)

@@ -61,9 +61,10 @@ class Kernel:
     backward: Callable | None = None
     masked_forward: Callable | None = None
     masked_backward: Callable | None = None
-    # (q, k, vis) -> vis with what masked_backward of these q and k makes of it made already
-    # (``Visibility.with_derived``), for the forward to make: None where it makes nothing
-    prime_backward: Callable | None = None
+    # (q, k, vis) -> vis with what masked_forward and masked_backward of these q and k (arrays
+    # or shapes) make of it made already (``Visibility.with_derived``), for the layer to make with
+    # its masks: None where they make nothing
+    prime: Callable | None = None
     refuses: Callable[[Any, int], str | None] = _anything  # (dtype, head dim) -> why not, or None
     where: str = ""
     # Plain causal/full attention given to the masked calls (a kernel with masked calls only).

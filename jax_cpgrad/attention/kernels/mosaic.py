@@ -42,7 +42,7 @@ KERNEL = Kernel(
     "mosaic",
     masked_forward=mosaic_gpu.forward,
     masked_backward=mosaic_gpu.backward,
-    prime_backward=mosaic_gpu.prime_backward,
+    prime=lambda q, k, vis: mosaic_gpu.prime_backward(q, k, mosaic_gpu.prime_forward(q, k, vis)),
     refuses=refuses,
     where="on sm_90 GPUs",
     plain_as_masked=True,

@@ -2,7 +2,9 @@
 
 - ``forward.py``: the forward, ``forward(q, k, v, vis, *, scale, config=None) -> (out, lse)``;
 - ``config.py``: its ``Config``, ``default_config`` and limits (``check``, ``check_device``);
-- ``backward.py``: the dQ and dK/dV kernels, ``backward(...)`` with ``BackwardConfig``.
+- ``backward.py``: the dQ and dK/dV kernels, ``backward(...)`` with ``BackwardConfig``;
+- ``prime_forward`` and ``prime_backward``: a mask's tile plans made ahead of the calls (the layer
+  makes them with its masks, outside its custom VJP).
 
 Inside ``jax.shard_map`` (the layer calls them there) the kernels read their plan scalars with
 ``forward.read_scalar`` and type their results with ``forward.varying_like``: see why there.
@@ -13,7 +15,7 @@ called, so the package imports (and lowers with ``jax.export``) on a machine wit
 
 from .backward import BackwardConfig, backward, prime_backward
 from .config import Config, check, check_device, default_config
-from .forward import forward
+from .forward import forward, prime_forward
 
 __all__ = [
     "BackwardConfig",
@@ -24,4 +26,5 @@ __all__ = [
     "default_config",
     "forward",
     "prime_backward",
+    "prime_forward",
 ]

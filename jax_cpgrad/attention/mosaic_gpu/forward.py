@@ -140,28 +140,46 @@ def read_tile(plan_ref, layout: PackedPlan, prefix: str, bp, i):
     return tile, tuple(scalar(name, tile) for name in ("lo", "full_lo", "full_hi", "hi"))
 
 
-def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
-    """Attention of q against k, v where ``vis`` allows; ``(out, lse)`` (see the module doc)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
-    if config is None:
-        config = config_lib.default_config(q.shape[-1]) if q.ndim == 4 else Config()
-    config_lib.check(q, k, v, vis, config)
-    if jax.default_backend() == "gpu":
-        config_lib.check_device()
-    T, L = vis.q_len, k.shape[1]  # q may hold more rows: the call takes its first T
+def _plan(T: int, L: int, config: Config):
+    """``(Tp, Lp, layout, key, plan_of)`` of a call of T query rows against L keys: the padded
+    lengths, and the kernel's mask operands in one array (the padded row intervals and the tile
+    plan), made by ``plan_of(vis)`` (``Visibility.derive``'s ``fn``, under ``key``)."""
     tile_q, block_k = config.tile_q, config.block_k
     Tp, Lp = _round_up(T, tile_q), _round_up(L, block_k)
-
     layout = PackedPlan.of(row_lo=Tp, row_hi=Tp, **ranges_lengths("", Tp // tile_q))
 
     def plan_of(vis):
-        """The kernel's mask operands, packed: the padded row intervals and the tile plan."""
         row_lo, row_hi = (pad_axis(jnp.asarray(x, jnp.int32), 1, Tp) for x in (vis.row_lo, vis.row_hi))
         r = tile_plan.tile_ranges(row_lo, row_hi, outer_block=tile_q, inner_block=block_k, inner_len=Lp)
         return layout.pack(row_lo=row_lo, row_hi=row_hi, **ranges_sections("", r))
 
-    plan = vis.derive(plan_of, ("forward", Tp, Lp, tile_q, block_k))
+    return Tp, Lp, layout, ("forward", Tp, Lp, tile_q, block_k), plan_of
+
+
+def _config_of(q, config: Config | None) -> Config:
+    if config is not None:
+        return config
+    return config_lib.default_config(q.shape[-1]) if q.ndim == 4 else Config()
+
+
+def prime_forward(q, k, vis, *, config: Config | None = None):
+    """``vis`` with the plan :func:`forward` of these q and k (arrays or shapes) makes of it made
+    now (``Visibility.with_derived``), for a caller that makes its masks ahead of the calls."""
+    _, _, _, key, plan_of = _plan(vis.q_len, k.shape[1], _config_of(q, config))
+    return vis.with_derived(plan_of, key)
+
+
+def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
+    """Attention of q against k, v where ``vis`` allows; ``(out, lse)`` (see the module doc)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
+    config = _config_of(q, config)
+    config_lib.check(q, k, v, vis, config)
+    if jax.default_backend() == "gpu":
+        config_lib.check_device()
+    T = vis.q_len  # q may hold more rows: the call takes its first T
+    Tp, Lp, layout, key, plan_of = _plan(T, k.shape[1], config)
+    plan = vis.derive(plan_of, key)
     qp, kp, vp = leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
     out, lse = _call(qp, kp, vp, plan, layout=layout, scale=float(scale), config=config)
     return out[:, :T], lse[:, :, :T]
