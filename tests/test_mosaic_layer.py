@@ -252,11 +252,11 @@ def test_interpret_layer_matches_reference_on_one_device(monkeypatch, name):
         assert err <= budget, f"{name} {what}: max |layer - ref| {err:.3g} > 2 x {budget / 2:.3g}"
 
 
-def _documents_grad_inputs(R: int):
+def _documents_grad_inputs(R: int, kv_heads: int = 1):
     """A mesh of R CPU devices and ``_grad_fn``'s (q, k, v, d_out, ids) for documents of 100
-    tokens over 128 x R, zeros (what tracing them needs)."""
+    tokens over 128 x R (two query heads), zeros (what tracing them needs)."""
     mesh = Mesh(np.array(jax.devices()[:R]), ("cp",))
-    B, S, N, K = 1, 128 * R, 2, 1
+    B, S, N, K = 1, 128 * R, 2, kv_heads
     args = (
         jnp.zeros((B, S, N, H), BF16), jnp.zeros((B, S, K, H), BF16), jnp.zeros((B, S, K, H), BF16),
         jnp.zeros((B, S, N, H), F32), jnp.asarray(np.arange(S) // 100, jnp.int32)[None],
@@ -264,13 +264,15 @@ def _documents_grad_inputs(R: int):
     return mesh, args
 
 
-# documents alone, and with each kind of window: its halo (left < c), a wider one (gathering the
-# ranks it reaches), two-sided without causal (c = 128 tokens a chunk at R = 4)
+# documents alone, and with each kind of window (c = 64 tokens a chunk at R = 4): its halo (left
+# < c), a wider one (the chunks it reaches), two-sided without causal; and the transfer pipelined
+# over two head groups (two KV heads: each group's call gets one)
 DOCUMENT_MASKS = {
     "documents": MASKS["documents"],
     "halo": dict(is_causal=True, local_window_size=(40, 0), documents=True),
     "wide_window": dict(is_causal=True, local_window_size=(100, 0), documents=True),
     "two_sided": dict(is_causal=False, local_window_size=(20, 30), documents=True),
+    "head_groups": dict(is_causal=True, documents=True, head_groups=2),
 }
 
 
@@ -292,7 +294,7 @@ def test_the_layer_makes_its_tile_plans_before_its_custom_vjp(monkeypatch, R, ma
         return tile_ranges(*args, **kw)
 
     monkeypatch.setattr(tile_plan, "tile_ranges", counted)
-    mesh, args = _documents_grad_inputs(R)
+    mesh, args = _documents_grad_inputs(R, kv_heads=DOCUMENT_MASKS[mask].get("head_groups", 1))
     jax.make_jaxpr(_grad_fn(mesh, DOCUMENT_MASKS[mask]))(*args)
     calls = 1 if R == 1 else 2  # the local call, and the remote one
     assert made == ["before the VJP"] * 3 * calls, made  # each call: its forward's plan, dQ's, dK/dV's

@@ -16,7 +16,9 @@ With jax's ``jax_remat3`` flag on (off by default in jax 0.11 and 0.12) jax save
 inside a custom VJP's forward, so the layer makes its masks (and its kernels' tile plans) before
 its custom VJP and passes them in (``schedule.attention``). Masks without documents are looked up
 from per-rank tables inside the kernels' calls (``Visibility.derive``): under that flag those
-lookups (a few launches) are made again in the backward.
+lookups (a few launches) are made again in the backward; and a lone checkpointed layer is better
+off with the plain checkpoint there (XLA merges its recomputed masks with the forward's), which
+two or more layers are not (benchmarks/results/README.md, "Checkpointed layers keep their masks").
 """
 
 from __future__ import annotations

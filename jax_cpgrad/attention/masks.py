@@ -197,8 +197,9 @@ class Visibility:
     rank: Any = None
     by_rank: per_rank.Table | None = dataclasses.field(default=None, metadata=dict(static=True))
     # What kernels made of it ahead of their calls (:meth:`with_derived`), under ``derived_keys``:
-    # the layer's forward makes its backward's tile plans, which travel with the forward's calls
-    # as residuals, so that a ``lax.scan`` over layers does not make them in every step.
+    # the layer makes its kernels' tile plans with its masks, before its custom VJP, and they
+    # travel with the calls as residuals, so that a ``lax.scan`` over layers does not make the
+    # backward's in every step.
     derived: tuple = ()
     derived_keys: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 

@@ -1,8 +1,10 @@
 """A rank's exact attention as a local and a remote part merged by log-sum-exp, with the transfer
 of K/V (forward) and dK/dV (backward) running beside the local part's work: the custom VJP.
 
-Forward: gather the other ranks' segment ids if documents need them (tiny, before anything else);
-start the K/V gather; compute the local part (own keys only); finish the gather; compute the
+Before the custom VJP: gather the other ranks' segment ids if documents need them (tiny, before
+anything else), and make the rank's calls (their masks and the kernels' tile plans), which the VJP
+takes as arguments (where a ``jax.checkpoint`` policy can keep them: ``attention``).
+Forward: start the K/V gather; compute the local part (own keys only); finish the gather; compute the
 remote part against the gathered keys; merge. Backward: compute the remote part's backward
 first, which yields this rank's dK/dV for the whole sequence; start returning them to their
 owners; compute the local part's backward; finish the return and add the local dK/dV.
@@ -194,7 +196,7 @@ def _rank_calls(cfg: Config, q, k, rank, words_glob) -> Calls:
 def _primed(cfg: Config, call: Call, q, k, *, groups: int) -> Call:
     """``call`` with its masked kernels' plans made, for the call's operands as the forward gives
     them: q's rows (``take_rows``) of one group's heads, against ``vis.k_len`` keys."""
-    if call.vis is None:
+    if call.vis is None or kernels.by_name(cfg.impl).prime is None:
         return call
     heads = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], x.shape[2] // groups, x.shape[3]), x.dtype)
     qc = jax.eval_shape(functools.partial(cfg.plan.take_rows, call), heads(q))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+
 from .. import blockwise
 from ..masks import Visibility
 from ..rounding import firm
@@ -116,7 +118,8 @@ def prime_masked(impl: str, q, k, vis: Visibility) -> Visibility:
     prime = by_name(impl).prime
     if prime is None:
         return vis
-    (q,) = _call_rows(impl, vis, q)
+    if not by_name(impl).rows_in_place:  # the call's first rows (a shape: only it counts)
+        q = jax.ShapeDtypeStruct((q.shape[0], vis.q_len, *q.shape[2:]), q.dtype)
     return prime(q, k, vis)
 
 

@@ -63,7 +63,8 @@ class Kernel:
     masked_backward: Callable | None = None
     # (q, k, vis) -> vis with what masked_forward and masked_backward of these q and k (arrays
     # or shapes) make of it made already (``Visibility.with_derived``), for the layer to make with
-    # its masks: None where they make nothing
+    # its masks (with the configs those calls use, or they make their own): None where they make
+    # nothing
     prime: Callable | None = None
     refuses: Callable[[Any, int], str | None] = _anything  # (dtype, head dim) -> why not, or None
     where: str = ""

@@ -496,7 +496,7 @@ def _plan(q_shape, k_shape, vis, config: BackwardConfig):
 
 def prime_backward(q, k, vis, *, config: BackwardConfig | None = None):
     """``vis`` with the plan :func:`backward` of these q and k (arrays or shapes) makes of it made now
-    (``Visibility.with_derived``): the layer's forward makes it, and its backward, given this
+    (``Visibility.with_derived``): the layer makes it with its masks, and its backward, given this
     Visibility as a residual, takes it rather than making it in its own pass (where, in a
     ``lax.scan`` over layers, it would be made in every layer's step)."""
     if config is None:
