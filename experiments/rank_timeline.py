@@ -38,17 +38,10 @@ import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 from attention import back_to_back, document_ids, fwd_bwd, human_tokens, inputs, parse_tokens, rank_attention  # noqa: E402
 from mosaic_attention import config_changes  # noqa: E402
+from rank_thunks import CASES  # noqa: E402  (the cases both probes take: this folder is on the path)
 
 # the module (the package re-exports its function under the same name)
 mosaic_backward = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
-
-# name -> (window, documents' length: the sequence cut in documents of that many tokens)
-CASES = {
-    "causal": (None, None),
-    "window512": (512, None),
-    "window4096": (4096, None),
-    "documents4096": (None, 4096),
-}
 
 
 def kind(name: str) -> str:
