@@ -242,6 +242,46 @@ def test_interpret_merge_property():
         assert err <= 2 * ref_err, f"merge {what}: error {err:.3g} > 2 x the reference's {ref_err:.3g}"
 
 
+@needs_interpret
+def test_interpret_adds_a_given_dq_and_skips_what_nothing_sees():
+    """A rank's two key parts (its first chunk's keys, the rest): the second part's backward given
+    the first's dQ (``dq_add``) returns their float32 sum rounded once, the bits of the sum in
+    XLA, and the same dK/dV as without it; programs that nothing sees (the first chunk's rows
+    against the rest; keys past every query) load nothing and give exact zeros."""
+    q_pos, k_pos = _cp_rank_positions(0, 2, 64)  # rows 0..63 and 192..255
+    k_pos = np.arange(320)  # keys 256..319: seen by no query
+    vis = masks.visibility(CAUSAL, jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32))
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, d_out = (jax.random.normal(key, (1, 128, 2, 64), F32).astype(BF16) for key in keys[:2])
+    k, v = (jax.random.normal(key, (1, 320, 1, 64), F32).astype(BF16) for key in keys[2:])
+    scale = 0.125
+    out, lse = _reference_grads(q, k, v, d_out, vis, scale, F32)[0], _lse(q, k, vis, scale)
+    config = mb.default_config(64, interpret=True).replace(consumers=1)
+    part = lambda sl: (
+        k[:, sl],
+        v[:, sl],
+        masks.visibility(CAUSAL, jnp.asarray(q_pos), jnp.asarray(k_pos[sl])),
+    )
+    first, rest = part(slice(0, 64)), part(slice(64, None))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        run = lambda ks, dq_add=None: jax.block_until_ready(
+            mb.backward(q, ks[0], ks[1], out, lse, d_out, ks[2], scale=scale, config=config, dq_add=dq_add)
+        )
+        dq_first = run(first)[0]
+        alone, added = run(rest), run(rest, dq_first)
+    f32 = lambda x: np.asarray(x.astype(F32))
+    np.testing.assert_array_equal(
+        f32(added[0]), f32((dq_first.astype(F32) + alone[0].astype(F32)).astype(BF16))
+    )
+    for g, w in zip(added[1:], alone[1:], strict=True):
+        np.testing.assert_array_equal(f32(g), f32(w))
+    assert (f32(alone[0])[:, :64] == 0).all()  # the first chunk's rows see none of the rest
+    assert (f32(alone[1])[:, 192:] == 0).all() and (f32(alone[2])[:, 192:] == 0).all()  # keys 256..
+    exact = _reference_grads(q, k, v, d_out, vis, scale, F32)[1]
+    low = _reference_grads(q, k, v, d_out, vis, scale, BF16)[1]
+    assert _max_err(added[0], exact[0]) <= 2 * _max_err(low[0], exact[0])
+
+
 # -- checks (no kernel run) ----------------------------------------------------------------------
 
 
@@ -305,15 +345,18 @@ def test_small_grids_run_one_consumer(monkeypatch):
 # -- lowering for CUDA ---------------------------------------------------------------------------
 
 
-def _export(name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2, out_dtype=None):
+def _export(
+    name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2, out_dtype=None, adds: bool = False
+):
     q, k, v, d_out, vis = _inputs(name, head_dim)
     lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
     out = q if out_dtype is None else q.astype(out_dtype)
     config = mb.default_config(head_dim, interpret=operands_via_smem).replace(
         consumers=consumers, narrow_small_grids=False
     )
-    f = lambda *a: mb.backward(*a, scale=head_dim**-0.5, config=config)
-    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (q, k, v, out, lse, d_out, vis))
+    f = lambda *a: mb.backward(*a[:7], scale=head_dim**-0.5, config=config, dq_add=a[7] if adds else None)
+    operands = (q, k, v, out, lse, d_out, vis, q)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), operands)
     return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
 
 
@@ -338,6 +381,15 @@ def test_interpret_form_lowers_for_cuda(head_dim, consumers):
     text = _export(
         "documents_causal_gqa4", head_dim, operands_via_smem=True, consumers=consumers
     ).mlir_module()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_adding_a_given_dq_lowers_for_cuda(head_dim, consumers):
+    """The dQ kernel with ``dq_add`` (a rank's local backward adding its remote part's dQ)."""
+    text = _export("documents_causal_gqa4", head_dim, False, consumers=consumers, adds=True).mlir_module()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
 
 

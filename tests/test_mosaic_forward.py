@@ -219,6 +219,50 @@ def test_interpret_reads_the_first_rows_of_a_longer_q(extra):
         np.testing.assert_array_equal(a, b)
 
 
+def _split_keys(case: Case, at: int):
+    """The case's call cut in two at key ``at``: ((k, v, vis) of the first keys, of the rest)."""
+    q, k, v = _inputs(case, jnp.bfloat16)
+    q_pos, k_pos = case.positions()
+    runs = None
+    if case.docs is not None:
+        runs = masks.run_ids(jnp.asarray([np.repeat(np.arange(len(d)), d) for d in case.docs], jnp.int32))
+    part = lambda sl: (
+        k[:, sl], v[:, sl],
+        masks.visibility(case.mask, q_pos, k_pos[sl], runs, None if runs is None else runs[:, sl]),
+    )  # fmt: skip
+    return q, part(slice(0, at)), part(slice(at, None))
+
+
+@interpret
+@pytest.mark.parametrize("case", [CASES[5], CASES[0], CASES[8]], ids=lambda c: c.name)
+def test_interpret_continues_a_previous_part(case):
+    """``prev``: the call continues the (out, lse) of the same rows against other keys (a rank's
+    remote part continuing its local one): within twice jax's own error of the whole call's float32
+    reference; a row that sees none of the second part's keys gets the first part's bits back."""
+    config = _interpret_config(case.H)
+    q, first, second = _split_keys(case, 32)
+    scale = case.H**-0.5
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        run = jax.jit(lambda q, k, v, vis, prev: forward(q, k, v, vis, scale=scale, config=config, prev=prev))
+        prev = run(q, *first, None)
+        out, lse = (np.asarray(x.astype(F32)) for x in run(q, *second, prev))
+    vis = case.visibility()
+    ref_out, ref_lse = (np.asarray(x) for x in reference(q, *_inputs(case, jnp.bfloat16)[1:], vis, scale))
+    sees = np.broadcast_to(np.asarray(vis.row_hi > vis.row_lo), (case.B, case.T))
+    low = np.asarray(_reference_in_dtype(q, *_inputs(case, jnp.bfloat16)[1:], vis, scale).astype(F32))
+    budget = 2 * np.abs(low - ref_out)[sees].max()
+    assert np.abs(out - ref_out)[sees].max() <= budget
+    assert (out[~sees] == 0).all() and np.isneginf(lse.transpose(0, 2, 1)[~sees]).all()
+    lse_t, ref_t = lse.transpose(0, 2, 1)[sees], ref_lse.transpose(0, 2, 1)[sees]
+    assert np.abs(lse_t - ref_t).max() <= 1e-3 * max(1.0, np.abs(ref_t).max())
+    unseen_here = np.broadcast_to(np.asarray(second[2].row_hi <= second[2].row_lo), (case.B, case.T))
+    assert unseen_here.any() and (~unseen_here).any()  # both kinds of row are tested
+    np.testing.assert_array_equal(out[unseen_here], np.asarray(prev[0].astype(F32))[unseen_here])
+    np.testing.assert_array_equal(
+        lse.transpose(0, 2, 1)[unseen_here], np.asarray(prev[1]).transpose(0, 2, 1)[unseen_here]
+    )
+
+
 # --- lowering for CUDA (no GPU needed) -----------------------------------------------------------
 
 
@@ -250,6 +294,24 @@ def test_lowers_for_cuda(case, p_via_smem):
     text = _export(case, jnp.bfloat16, default_config(case.H).replace(p_via_smem=p_via_smem))
     assert "mosaic_gpu" in text  # the kernel's custom call
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1  # one launch per call
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_continuing_call_lowers_for_cuda(H):
+    """The call with ``prev`` (a rank's remote part continuing its local one), P in registers."""
+    if reason := _skip_lowering_reason():
+        pytest.skip(reason)
+    case = dataclasses.replace(CASES[5], H=H)
+    q, (k, v, vis), _ = _split_keys(case, case.L // 2)
+    prev = (q, jnp.zeros((case.B, case.N, case.T), F32))
+
+    def f(q, k, v, vis, prev):
+        return forward(q, k, v, vis, scale=H**-0.5, config=default_config(H), prev=prev)
+
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    args = jax.tree.map(spec, (q, k, v, vis, prev))
+    text = jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.parametrize(

@@ -24,11 +24,15 @@ operand (``packed_plan.py``), each reading its own sections.
 - **dQ** (``_dq_kernel``): one program per (query tile of ``consumers * block_q`` rows, query
   head, batch entry), first delta = rowsum(dO * O), then over the key tiles of the row plan:
   S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+  With ``dq_add`` (another part's dQ of the same rows: a CP rank's local backward given its
+  remote part's), the epilogue loads those rows into Q's tile and writes the float32 sum of both,
+  rounded once. A program whose rows see no key loads nothing, and writes dQ 0 (or the dQ it
+  adds) and delta 0.
 - **dK/dV** (``_dkv_kernel``): one program per (key tile of ``consumers * block_k`` keys, KV
   head, batch entry), over the G = N/K query heads of that KV head and the query tiles of the
   column plan, in the transposed orientation: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
   dK += dS^T Q. GQA is summed in the float32 accumulators, in a fixed order: no atomics,
-  bitwise deterministic.
+  bitwise deterministic. A program whose keys no query sees loads nothing and writes zeros.
 
 **Warpgroups.** Each program has ``consumers + 1`` warpgroups (``wg``), two consumers by default:
 
@@ -252,12 +256,18 @@ def _load_resident(pairs, barriers, wg):
 
 
 def _dq_kernel(
-    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout
-):
-    q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, plan_ref, dq_ref, delta_ref = refs[:9]
-    q_smem, do_smem, o_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[9:18]
-    ds_smem = refs[18] if via_smem else None
-    res_bars, k_bars, v_bars, free_bars = refs[18 + via_smem :]
+    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout,
+    adds,
+):  # fmt: skip
+    q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref = refs[:6]
+    add_ref = refs[6] if adds else None
+    plan_ref = refs[6 + adds]
+    refs = refs[7 + adds :]
+    dq_ref, delta_ref = refs[:2]
+    q_smem, do_smem, o_smem, lse_smem, delta_smem, vlo_smem, vhi_smem, k_smem, v_smem = refs[2:11]
+    ds_smem = refs[11] if via_smem else None
+    res_bars, k_bars, v_bars, free_bars = refs[11 + via_smem : 15 + via_smem]
+    add_bars = refs[15 + via_smem] if adds else None
     head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg, consumers = lax.axis_index("wg"), q_smem.shape[0]
     bp = batch if per_batch_plan else 0
@@ -281,17 +291,28 @@ def _dq_kernel(
             (o_ref.at[batch, rows, head], o_smem.at[wg]), (lse_ref.at[batch, head, rows], lse_smem.at[wg]),
             (interval("row_lo"), vlo_smem.at[wg]), (interval("row_hi"), vhi_smem.at[wg]),
         ]  # fmt: skip
-        _load_resident(resident, res_bars, wg)
-        # delta = rowsum(dO * O) of these rows, here rather than in a pass of its own over O and
-        # dO; written out for the dK/dV kernel, which streams it per query tile.
+        # A program whose rows see no key loads nothing of them (a remote call of documents sees
+        # few of its rows' keys): its dQ is 0 (or what it adds) and its delta 0, which no key
+        # tile reads but a masked one (where P is 0), so it must be finite.
+        sees = lo < hi
         tile_of = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32)
-        delta_rows = jnp.sum(tile_of(do_smem_) * tile_of(o_smem.at[wg]), axis=1)
-        delta_smem.at[wg][...] = delta_rows
+
+        @pl.when(sees)
+        def _delta():
+            _load_resident(resident, res_bars, wg)
+            # delta = rowsum(dO * O) of these rows, here rather than in a pass of its own over O
+            # and dO; written out for the dK/dV kernel, which streams it per query tile.
+            delta_smem.at[wg][...] = jnp.sum(tile_of(do_smem_) * tile_of(o_smem.at[wg]), axis=1)
+
+        @pl.when(jnp.logical_not(sees))
+        def _no_delta():
+            delta_smem.at[wg][...] = plgpu.layout_cast(jnp.zeros((block_q,), F32), wgmma_rows)
+
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[batch, head, rows])
         shape = (block_q, block_k)
         bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
-        delta = bcast(delta_rows)
+        delta = bcast(plgpu.load(delta_smem.at[wg], layout=wgmma_rows))
         lse, vlo, vhi = (
             bcast(plgpu.load(ref.at[wg], layout=wgmma_rows)) for ref in (lse_smem, vlo_smem, vhi_smem)
         )
@@ -316,8 +337,12 @@ def _dq_kernel(
             tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, step)
             return dq_acc[...]
 
-        dq = pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32))
-        q_smem_[...] = (dq * F32(scale)).astype(q_smem_.dtype)
+        dq = (pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32)) * F32(scale)).astype(q_smem_.dtype)
+        if adds:  # Q is no longer read: its tile takes the rows' dQ to add (the same sum XLA made)
+            plgpu.copy_gmem_to_smem(add_ref.at[batch, rows, head], q_smem_, add_bars.at[wg])
+            plgpu.barrier_wait(add_bars.at[wg])
+            dq = (dq.astype(F32) + tile_of(q_smem_)).astype(q_smem_.dtype)
+        q_smem_[...] = dq
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem_, dq_ref.at[batch, rows, head])
         plgpu.wait_smem_to_gmem(0)
@@ -366,7 +391,11 @@ def _dkv_kernel(
             (k_ref.at[batch, keys, kv_head], k_smem_), (v_ref.at[batch, keys, kv_head], v_smem_),
             (interval("col_lo"), vlo_smem.at[wg]), (interval("col_hi"), vhi_smem.at[wg]),
         ]  # fmt: skip
-        _load_resident(resident, res_bars, wg)
+
+        @pl.when(n_tiles > 0)  # keys that no query sees load nothing: their dK and dV are 0
+        def _load():
+            _load_resident(resident, res_bars, wg)
+
         shape = (block_k, block_q)
         vlo, vhi = (
             lax.broadcast_in_dim(plgpu.load(ref.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
@@ -506,16 +535,28 @@ def prime_backward(q, k, vis, *, config: BackwardConfig | None = None):
 
 
 def backward(
-    q, k, v, out, lse, d_out, vis: Visibility, *, scale: float, config: BackwardConfig | None = None
-):
+    q, k, v, out, lse, d_out, vis: Visibility, *, scale: float, config: BackwardConfig | None = None,
+    dq_add=None,
+):  # fmt: skip
     """(dq, dk, dv), in the dtypes of q, k, v, of the attention of q against k/v where ``vis``
     allows, whose (possibly merged) output and natural-log log-sum-exp are ``out`` and ``lse``;
-    ``d_out`` is the cotangent of ``out``. See the module docstring."""
+    ``d_out`` is the cotangent of ``out``. See the module docstring.
+
+    ``dq_add``: ``[B, T, N, H]`` in q's dtype, another part's dQ of the same rows, which the dQ
+    kernel adds to this call's (rounded to q's dtype first, summed in float32, rounded once: the
+    sum the layer would otherwise make in XLA, the same bits, without its pass over both)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
     if config is None:
         config = default_config(q.shape[-1] if q.ndim == 4 else 0)
     check(q, k, v, out, lse, d_out, vis, config)
+    if dq_add is not None and (
+        dq_add.shape != (q.shape[0], vis.q_len, *q.shape[2:]) or dq_add.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"implementation='mosaic': dq_add must be [B, T, N, H] = {[q.shape[0], vis.q_len, *q.shape[2:]]} "
+            f"in {q.dtype}, got {list(dq_add.shape)} {dq_add.dtype}"
+        )
     if jax.default_backend() == "gpu":
         config_lib.check_device()
     B, _, N, H = q.shape
@@ -564,6 +605,7 @@ def backward(
         tiles(S, bk, H), tiles(S, bk, H),  # the K/V ring
         *([tiles(Cq, bq, bk)] if via_smem else []),  # dS
         bars(6 * Cq), bars(S), bars(S), freed(Cq, S),  # resident loaded; K, V loaded; slot free
+        *([bars(Cq)] if dq_add is not None else []),  # the dQ to add loaded
     ]
     dkv_scratch: list[Any] = [
         tiles(Ck, bk, H), tiles(Ck, bk, H), vec(Ck, bk, dt=I32), vec(Ck, bk, dt=I32),  # resident
@@ -572,10 +614,12 @@ def backward(
         bars(4 * Ck), bars(S), bars(S), bars(S), bars(S), freed(Ck, S),  # resident; Q, dO, lse, delta; free
     ]
     # fmt: on
-    dq_operands = (qp, kp, vp, dop, outp, lse2, plan)
+    adds = () if dq_add is None else (pad_axis(dq_add, 1, Tp),)
+    dq_operands = (qp, kp, vp, dop, outp, lse2, *adds, plan)  # the plan last (the layer's tests find it)
+    dq_types = (jax.ShapeDtypeStruct((B, Tp, N, H), dtype), jax.ShapeDtypeStruct((B, N, Tp), F32))
     dq, delta = launch(
-        _dq_kernel, Cq, (jax.ShapeDtypeStruct((B, Tp, N, H), dtype), jax.ShapeDtypeStruct((B, N, Tp), F32)),
-        dq_scratch, (N, B, Tp // (Cq * bq)), dq_operands,
+        functools.partial(_dq_kernel, adds=bool(adds)), Cq, dq_types, dq_scratch, (N, B, Tp // (Cq * bq)),
+        dq_operands,
     )  # fmt: skip
     dq, delta = varying_like((dq, delta), dq_operands)
     dkv_operands = (qp, kp, vp, dop, lse2, delta, plan)

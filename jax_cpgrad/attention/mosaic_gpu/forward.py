@@ -61,6 +61,13 @@ tests.
 is still -inf, so a row that has seen nothing yet keeps ``alpha = p = 0`` instead of NaN, and a
 row that saw nothing at all ends with ``l = 0``: out 0 and lse -inf.
 
+**Continuing a previous part** (``prev``): given the (out, lse) of the same rows against other
+keys (a CP rank's local part), the kernel returns both merged: its epilogue loads prev's out and
+lse into the tiles Q and the lse used, and weighs them against its own unnormalised sums in
+float32 (the log-sum-exp merge, ``merging.py``), so that the layer's remote call writes the
+rank's final rows once instead of writing its own and merging in XLA. A program whose rows see
+no key here loads nothing but prev's rows, and writes them back unchanged (weights 1 and 0).
+
 **Rows read in place.** ``q`` may hold more rows than ``vis`` describes (``T = vis.q_len``):
 the call takes the first T rows of each batch entry and returns T rows, reading q where it lies
 (the layer's halo call takes each chunk's first rows this way, with no copy).
@@ -169,8 +176,13 @@ def prime_forward(q, k, vis, *, config: Config | None = None):
     return vis.with_derived(plan_of, key)
 
 
-def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
-    """Attention of q against k, v where ``vis`` allows; ``(out, lse)`` (see the module doc)."""
+def forward(q, k, v, vis, *, scale: float, config: Config | None = None, prev=None):
+    """Attention of q against k, v where ``vis`` allows; ``(out, lse)`` (see the module doc).
+
+    ``prev``: ``(out, lse)`` of the same rows against other keys (rows read as q's are: the
+    first T, in place), which the call continues: the result is the two merged (as
+    ``schedule.merge``, without rounding this call's part first), and a row that sees no key
+    here gets ``prev``'s out and lse back, bit for bit."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
     config = _config_of(q, config)
@@ -181,11 +193,27 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None):
     Tp, Lp, layout, key, plan_of = _plan(T, k.shape[1], config)
     plan = vis.derive(plan_of, key)
     qp, kp, vp = leading_rows(q, T, Tp), pad_axis(k, 1, Lp), pad_axis(v, 1, Lp)
-    out, lse = _call(qp, kp, vp, plan, layout=layout, scale=float(scale), config=config)
+    if prev is not None:
+        prev = _check_prev(q, T, prev)
+        prev = (leading_rows(prev[0], T, Tp), pad_axis(prev[1], 2, Tp, -jnp.inf))
+    out, lse = _call(qp, kp, vp, plan, prev, layout=layout, scale=float(scale), config=config)
     return out[:, :T], lse[:, :, :T]
 
 
-def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
+def _check_prev(q, T: int, prev):
+    """``prev`` as ``(out, lse float32)``; ValueError unless out is shaped and typed as q and lse
+    is [B, N, T]."""
+    out, lse = prev
+    B, _, N, _ = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (B, N, T):
+        raise ValueError(
+            f"implementation='mosaic': prev must be (out {list(q.shape)} {q.dtype}, lse {[B, N, T]}), got "
+            f"({list(out.shape)} {out.dtype}, {list(lse.shape)})"
+        )
+    return out, lse.astype(jnp.float32)
+
+
+def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
     B, _, N, H = q.shape
     Tp = layout.length("row_lo")  # the call's rows, padded to the tile (q may hold more)
     num_kv_heads = k.shape[2]
@@ -196,11 +224,15 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
     group = N // num_kv_heads
     c = scale * _LOG2E  # scores to base-2 logits
 
+    continues = prev is not None
+
     def kernel(refs, scoped):
-        q_ref, k_ref, v_ref, plan_ref, out_ref, lse_ref = refs
+        q_ref, k_ref, v_ref = refs[:3]
+        prev_out_ref, prev_lse_ref = refs[3:5] if continues else (None, None)
+        plan_ref, out_ref, lse_ref = refs[-3:]
         smem, barriers = scoped
         qo_smem, k_smem, v_smem, rows_smem, lse_smem, p_smem = smem
-        in_bars, k_bars, v_bars, k_free, v_free, turn = barriers
+        in_bars, k_bars, v_bars, k_free, v_free, turn, prev_bars = barriers
         head, batch, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
         bp = batch if per_batch else 0
         tile, (j_lo, j_flo, j_fhi, j_hi) = read_tile(plan_ref, layout, "", bp, lax.axis_index("tiles"))
@@ -220,10 +252,16 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
                 (plan_ref.at[bp, pl.ds(layout.start("row_lo") + q0, bq)], rows_smem.at[wg, 0]),
                 (plan_ref.at[bp, pl.ds(layout.start("row_hi") + q0, bq)], rows_smem.at[wg, 1]),
             ]
-            for i, (src, dst) in enumerate(copies):  # one barrier per copy
-                plgpu.copy_gmem_to_smem(src, dst, in_bars.at[3 * wg + i])
-            for i in range(len(copies)):
-                plgpu.barrier_wait(in_bars.at[3 * wg + i])
+
+            # A program whose rows see no key here loads nothing of them (a remote call of
+            # documents sees few of its rows' keys): its out and lse are written all the same.
+            @pl.when(j_lo < j_hi)
+            def _load():
+                for i, (src, dst) in enumerate(copies):  # one barrier per copy
+                    plgpu.copy_gmem_to_smem(src, dst, in_bars.at[3 * wg + i])
+                for i in range(len(copies)):
+                    plgpu.barrier_wait(in_bars.at[3 * wg + i])
+
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             lo_rows = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
             hi_rows = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
@@ -291,11 +329,26 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
                 pl.when(wg == 0)(rendezvous)
 
             seen_any = l_i > 0.0
-            inv_l = 1.0 / jnp.where(seen_any, l_i, 1.0)
-            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-            q_smem[...] = out.astype(dtype)  # Q is no longer read: its tile holds the output
             log_l = jnp.log(jnp.where(seen_any, l_i, 1.0))
-            lse_smem.at[wg][...] = jnp.where(seen_any, m_i * _LN2 + log_l, -jnp.inf)  # natural log
+            lse = jnp.where(seen_any, m_i * _LN2 + log_l, -jnp.inf)  # natural log
+            if continues:  # Q is no longer read: its tile takes prev's out
+                out, lse = _continued(
+                    prev_out_ref.at[batch, rows, head],
+                    prev_lse_ref.at[batch, head, rows],
+                    q_smem,
+                    lse_smem.at[wg],
+                    prev_bars,
+                    wg,
+                    acc,
+                    m_i,
+                    lse,
+                    row_layout,
+                )
+            else:
+                inv_l = 1.0 / jnp.where(seen_any, l_i, 1.0)
+                out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            q_smem[...] = out.astype(dtype)  # Q is no longer read: its tile holds the output
+            lse_smem.at[wg][...] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, rows, head])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
@@ -341,6 +394,7 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
             plgpu.Barrier(num_arrivals=C, num_barriers=S),  # K slot released by every consumer
             plgpu.Barrier(num_arrivals=C, num_barriers=S),  # V slot released
             plgpu.Barrier(num_arrivals=2) if config.pingpong else None,  # ping-pong turns
+            plgpu.Barrier(num_barriers=2 * C) if continues else None,  # per consumer: prev's out, lse
         )
         pl.run_scoped(lambda *scoped: kernel(refs, scoped), smem, barriers, collective_axes="wg")
 
@@ -348,7 +402,7 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
         jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
         jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
     )
-    operands = (q, k, v, plan)
+    operands = (q, k, v, *(prev if continues else ()), plan)  # the plan last (the layer's tests find it)
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
@@ -360,3 +414,26 @@ def _call(q, k, v, plan, *, layout: PackedPlan, scale, config):
     )(*operands)
     # plgpu.kernel types its results as invariant: see mesh_axes.py.
     return varying_like(outs, operands)
+
+
+def _continued(prev_out_ref, prev_lse_ref, out_smem, lse_smem, bars, wg, acc, m_i, lse, row_layout):
+    """(out float32, lse) of a consumer's rows: prev's (loaded from GMEM into ``out_smem`` and
+    ``lse_smem``) merged with this call's unnormalised ``acc``, base-2 running max ``m_i`` and
+    natural ``lse``: L = logaddexp(L_prev, L) and out = e^(L_prev - L) out_prev + 2^(m - L log2 e) acc
+    (acc / l weighted by e^(L_here - L)). A row this call saw nothing of keeps prev's bits: its
+    weights are exactly 1 and 0."""
+    plgpu.copy_gmem_to_smem(prev_out_ref, out_smem, bars.at[2 * wg])
+    plgpu.copy_gmem_to_smem(prev_lse_ref, lse_smem, bars.at[2 * wg + 1])
+    plgpu.barrier_wait(bars.at[2 * wg])
+    plgpu.barrier_wait(bars.at[2 * wg + 1])
+    prev_out = plgpu.load(out_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    prev_lse = plgpu.load(lse_smem, layout=row_layout)
+    top = jnp.maximum(prev_lse, lse)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)  # a row that sees nothing anywhere: no NaN
+    exp = lambda x: jnp.exp2(x * _LOG2E)
+    merged = shift + jnp.log(exp(prev_lse - shift) + exp(lse - shift))
+    base = jnp.where(merged == -jnp.inf, 0.0, merged)
+    w_prev = exp(prev_lse - base)
+    w_here = jnp.exp2(m_i - base * _LOG2E)  # 0 where this call saw nothing (m = -inf)
+    bcast = lambda w: lax.broadcast_in_dim(w, acc.shape, [0])
+    return prev_out * bcast(w_prev) + acc * bcast(w_here), merged
