@@ -98,9 +98,9 @@ def _grad_fn(mesh, mask: dict, *, transfer_when_alone=False, wrap=lambda layer: 
 
 def _kernels_in(text: str) -> dict[str, int]:
     """Mosaic GPU custom calls of an exported module by kernel, from their operand count and
-    result types: the forward (4 operands: q, k, v and the packed plan; out and the float32 lse),
-    dQ (7 operands; dQ and the float32 delta it computes for dK/dV) and dK/dV (7 operands; two
-    16-bit results)."""
+    result types: the forward (4 operands: q, k, v and the packed plan, or 6 with the out and
+    lse it continues; out and the float32 lse), dQ (7 operands, 8 with the dQ it adds; dQ and
+    the float32 delta it computes for dK/dV) and dK/dV (7 operands; two 16-bit results)."""
     found = {"forward": 0, "dq": 0, "dkv": 0, "other": 0}
     for line in text.splitlines():
         m = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\).*-> (.*)", line)
@@ -108,7 +108,8 @@ def _kernels_in(text: str) -> dict[str, int]:
             continue
         operands, results = m.group(1).count("%"), re.findall(r"tensor<[^>]*>", m.group(2))
         form = (operands, len(results), results[-1].endswith("xf32>"))
-        kinds = {(4, 2, True): "forward", (7, 2, True): "dq", (7, 2, False): "dkv"}
+        kinds = {(4, 2, True): "forward", (6, 2, True): "forward", (7, 2, True): "dq", (8, 2, True): "dq"}
+        kinds[(7, 2, False)] = "dkv"
         kind = kinds.get(form, "other")
         found[kind] += 1
     return found

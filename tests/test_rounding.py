@@ -78,19 +78,21 @@ def test_no_rounding_of_the_layer_is_widened_back(transport, window, documents, 
     assert rounded_then_widened(text) == []
 
 
+@pytest.mark.parametrize("continued", [False, True], ids=["merged", "continued"])
 @pytest.mark.parametrize("edges", [(), ((0, 2), (4, 6))], ids=["all_rows", "edge_rows"])
-def test_the_merged_rows_come_out_firm(edges):
+def test_the_merged_rows_come_out_firm(edges, continued):
     """The remote part's merge into the local part's rows (``schedule._merge_remote``) rounds with
     ``rounded_into`` (no barrier of its own, so that XLA can fuse it into an in-place write): its
     results must leave through an optimization barrier, for a call of all rows as for one of
-    edge rows, or a later widening could undo the rounding."""
+    edge rows, or a later widening could undo the rounding; so must a remote call's rows that
+    continued the local part's (written in place of them)."""
     from jax_cpgrad.attention import plan, schedule
 
     call = plan.Call("edges" if edges else "all", "others", edges=edges)
     rows = 4 if edges else 8
     local = (jnp.ones((1, 8, 2, 4), jnp.bfloat16), jnp.zeros((1, 2, 8), jnp.float32))
     parts = [(jnp.ones((1, rows, 2, 4), jnp.bfloat16), jnp.zeros((1, 2, rows), jnp.float32))]
-    merged = lambda own, other: schedule._merge_remote(plan.RankPlan, call, own, other)
+    merged = lambda own, other: schedule._merge_remote(plan.RankPlan, call, own, other, continued=continued)
     jaxpr = jax.make_jaxpr(merged)(local, parts).jaxpr
     barrier = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"][-1]
     assert all(v in barrier.outvars for v in jaxpr.outvars)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from . import kernels
 from .checkpointing import named_masks
+from .merging import merge
 from .plan import Call, Calls, RankPlan, edge_rows, take_segments, update_segments
 from .rounding import rounded, rounded_into
 
@@ -58,26 +59,20 @@ class Config:
     head_groups: int = 1  # the transfer pipelined over this many groups of key/value heads
 
 
-def merge(*parts, rounding=rounded):
-    """(out, lse) of parts of the same queries' attention, each an (out, lse) pair: summed in
-    float32, rounded once to the first part's dtype (with ``rounding``)."""
-    lse = functools.reduce(jnp.logaddexp, [lp for _, lp in parts])  # finite: every query sees its own key
-    # [B, N, ...rows] -> [B, ...rows, N, 1]: the rows are T, or 2 x span (update_segments' view)
-    weight = lambda lp: jnp.moveaxis(jnp.exp(lp - lse), 1, -1)[..., None]
-    out = sum(weight(lp) * op.astype(F32) for op, lp in parts)
-    return rounding(out, parts[0][0].dtype), lse
-
-
 # -- one call ----------------------------------------------------------------------------------
 
 
-def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
-    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have."""
+def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank, prev=None):
+    """The call's (out [B, T, N, H], lse [B, N, T]), 0 and -inf in the rows it does not have;
+    with ``prev`` (a masked call's: the local part's (out, lse) of all rows), merged with prev's
+    in its rows (``kernels.masked_forward``)."""
     plan = cfg.plan
     qc = plan.take_rows(call, q)
     kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
+    if prev is not None:
+        prev = (plan.take_rows(call, prev[0]), plan.take_lse(call, prev[1]))
     if call.vis is not None:  # masked
-        out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale)
+        out, lse = kernels.masked_forward(cfg.impl, qc, kc, vc, call.vis, scale=cfg.scale, prev=prev)
     else:
         out, lse = kernels.forward(
             cfg.impl, qc, kc, vc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len, window=call.window
@@ -85,16 +80,19 @@ def _call_forward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, rank):
     return plan.put_rows(call, out, 0), plan.put_lse(call, lse)
 
 
-def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
+def _call_backward(cfg: Config, call: Call, q, k, v, k_glob, v_glob, out, lse, d_out, rank, dq_add=None):
     """The call's (dq [B, T, N, H], dk, dv, own dk, own dv): dk and dv the rank's own [B, T, K, H]
     for a local call, the gathered [B, S, K, H] (or moved rows) for a remote one; own dk and dv
-    those of the rank's own keys a remote call read (``RankPlan.own_key_grads``), else None."""
+    those of the rank's own keys a remote call read (``RankPlan.own_key_grads``), else None.
+    ``dq_add`` (a masked call of all rows: the remote part's dq) is added to its dq."""
     plan = cfg.plan
     qc, oc, dc = (plan.take_rows(call, x) for x in (q, out, d_out))
     lc = plan.take_lse(call, lse)
     kc, vc = (plan.take_keys(call, own, glob, rank) for own, glob in ((k, k_glob), (v, v_glob)))
     if call.vis is not None:  # masked
-        dq, dk, dv = kernels.masked_backward(cfg.impl, qc, kc, vc, oc, lc, dc, call.vis, scale=cfg.scale)
+        dq, dk, dv = kernels.masked_backward(
+            cfg.impl, qc, kc, vc, oc, lc, dc, call.vis, scale=cfg.scale, dq_add=dq_add
+        )
     else:
         dq, dk, dv = kernels.backward(
             cfg.impl, qc, kc, vc, oc, lc, dc, causal=call.causal, scale=cfg.scale, kv_len=call.kv_len,
@@ -117,7 +115,12 @@ def _local_forward(cfg: Config, calls, q, k, v):
     return parts[0] if len(parts) == 1 else merge(*parts)
 
 
-def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
+def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out, dq_add=None):
+    """The local part's (dq, dk, dv); ``dq_add``: the remote part's dq, which its one call adds
+    (``_adds_remote_dq``)."""
+    if dq_add is not None:
+        (call,) = calls
+        return _call_backward(cfg, call, q, k, v, None, None, out, lse, d_out, None, dq_add)[:3]
     grads = [_call_backward(cfg, call, q, k, v, None, None, out, lse, d_out, None)[:3] for call in calls]
     if len(grads) == 1:
         return grads[0]
@@ -126,10 +129,29 @@ def _local_backward(cfg: Config, calls, q, k, v, out, lse, d_out):
     )
 
 
-def _remote_forward(cfg: Config, calls, q, k, v, k_glob, v_glob, rank):
+def _remote_forward(cfg: Config, calls, q, k, v, k_glob, v_glob, rank, prev=None):
     """The remote part's (out, lse) pairs, one per call, for these heads (``k``, ``v``: the rank's
-    own, which a plain window's halo call reads on rank R-1)."""
-    return [_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank) for call in calls]
+    own, which a plain window's halo call reads on rank R-1); with ``prev``, the local part's
+    (out, lse) of these heads, its one call's continued from them (``_continues``)."""
+    return [_call_forward(cfg, call, q, k, v, k_glob, v_glob, rank, prev) for call in calls]
+
+
+def _continues(calls: Calls) -> bool:
+    """Whether the remote part is one masked call, which continues the local part's (out, lse)
+    (``kernels.masked_forward``'s ``prev``) instead of being merged with it afterwards: a kernel
+    that ``continues`` then reads and writes the rank's output once, where a merge in XLA would
+    take three passes over it and the kernel a pass of its own writing zeros (results, finding
+    12: documents whose rows see few remote keys)."""
+    return len(calls.remote) == 1 and calls.remote[0].vis is not None
+
+
+def _adds_remote_dq(calls: Calls) -> bool:
+    """Whether the local part's one call adds the remote part's dq to its own (both masked calls
+    of all the rank's rows; ``kernels.masked_backward``'s ``dq_add``)."""
+    return (
+        _continues(calls) and len(calls.local) == 1 and calls.local[0].vis is not None
+        and calls.local[0].rows == calls.remote[0].rows == "all"
+    )  # fmt: skip
 
 
 def _remote_backward(cfg: Config, calls, q, k, v, k_glob, v_glob, out, lse, d_out, rank):
@@ -216,31 +238,41 @@ def _forward(cfg: Config, q, k, v, rank, words_glob, calls: Calls):
     local_fn = functools.partial(_local_forward, cfg)
     gather, _ = _transfers(cfg, q)
     gathered, local = gather(first_kv, local_fn, calls.local, q, k, v)
+    continues = _continues(calls)
+    # each group's remote call continues the local part's (out, lse) of its heads, or is merged
+    prevs = (
+        list(zip(_heads(local[0], groups), _heads(local[1], groups, axis=1), strict=True))
+        if continues
+        else [None] * groups
+    )
     kv_glob, remote_parts = [gathered], []
     for g in range(1, groups):
         next_kv = _after(kv_glob[-1], (ks[g], vs[g]))
         gathered, parts = gather(
-            next_kv, remote, calls.remote, qs[g - 1], ks[g - 1], vs[g - 1], *kv_glob[-1], rank
+            next_kv, remote, calls.remote, qs[g - 1], ks[g - 1], vs[g - 1], *kv_glob[-1], rank, prevs[g - 1]
         )
         kv_glob.append(gathered)
         remote_parts.append(parts)
     k_glob, v_glob = kv_glob[-1]
-    remote_parts.append(remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank))
+    remote_parts.append(remote(calls.remote, qs[-1], ks[-1], vs[-1], k_glob, v_glob, rank, prevs[-1]))
     # call p of every group, joined along the heads: [(out [B, T, N, H], lse [B, N, T]), ...]
     joined = [
         (_join([o for o, _ in part], axis=2), _join([lp for _, lp in part], axis=1))
         for part in zip(*remote_parts, strict=True)
     ]
-    out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined)
+    out, lse = _merge_remote(cfg.plan, calls.remote[0], local, joined, continued=continues)
     return out, lse, (q, k, v, tuple(kv_glob), out, lse, rank, calls)
 
 
-def _merge_remote(plan, call: Call, local, parts):
+def _merge_remote(plan, call: Call, local, parts, *, continued: bool):
     """The local part merged with the remote parts, which hold ``call``'s rows: all of them, or a
     window's edge rows (merged there and written into the local part's result; elsewhere the
-    merge would give the local part's bits back)."""
+    merge would give the local part's bits back). ``continued``: the one part is the merge
+    already (its call continued the local part's), written in place of those rows."""
 
     def merged(out, lse, *flat):
+        if continued:
+            return flat
         pairs = zip(flat[::2], flat[1::2], strict=True)
         return merge((out, lse), *pairs, rounding=rounded_into)
 
@@ -312,7 +344,9 @@ def _attention_bwd(cfg: Config, residuals, d_out):
         owns.append(own_r)
         returned.append(back)
         sending = _after(back, (dk_r, dv_r))
-    back, (dq_l, dk_l, dv_l) = return_grads(sending, local_backward, q, k, v, out, lse, d_out)
+    adds = _adds_remote_dq(calls)  # the local call adds the remote dq: exact in q's dtype (one call's)
+    dq_add = rounded(_join(dqs, axis=2), q.dtype) if adds else None
+    back, (dq_l, dk_l, dv_l) = return_grads(sending, local_backward, q, k, v, out, lse, d_out, dq_add)
     returned.append(back)
     dk_back, dv_back = (_join([b[i] for b in returned], axis=2) for i in (0, 1))
     total = lambda like, *xs: rounded(_sum_f32(xs), like.dtype)
@@ -324,7 +358,10 @@ def _attention_bwd(cfg: Config, residuals, d_out):
     ]
     call, plan = calls.remote[0], cfg.plan  # the remote dq holds its rows (a window's edge rows alone)
     added = lambda like: lambda rows, back: (rounded_into(_sum_f32((back, rows)), like.dtype),)
-    (dq,) = plan.update_rows(call, (dq_l,), added(q), axes=(1,), others=[(_join(dqs, axis=2), 1)])
+    if adds:
+        dq = dq_l
+    else:
+        (dq,) = plan.update_rows(call, (dq_l,), added(q), axes=(1,), others=[(_join(dqs, axis=2), 1)])
     returned_rows = _returned_rows(cfg, q.shape[1] // 2) if own[0] is None else None
     if returned_rows is not None:  # the returned halo gradients are 0 elsewhere: add these rows alone
         at = lambda x: take_segments(x, returned_rows)

@@ -19,13 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from .. import blockwise
 from ..masks import Visibility
-from ..rounding import firm
+from ..merging import merge
+from ..rounding import firm, rounded
 from . import cudnn, mosaic, xla
 from .contract import Kernel
 
+F32 = jnp.float32
 # Up to this many scores per head (T x L) the masked XLA kernel materializes them (fastest for
 # the small calls of tests and short sequences); beyond, it runs the blockwise path, whose memory
 # does not grow with T x L (a 16k x 112k call would need 7 GiB of float32 scores per head).
@@ -99,16 +102,35 @@ def backward(impl: str, q, k, v, o, lse, do, *, causal: bool, scale: float, kv_l
     return firm(kernel(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len, window=window))
 
 
-def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float):
-    """(out, lse) of a masked call of ``impl`` (of q's first ``vis.q_len`` rows)."""
-    (q,) = _call_rows(impl, vis, q)
-    return firm(_entry(impl, "masked_forward")(q, k, v, vis, scale=scale))
+def masked_forward(impl: str, q, k, v, vis: Visibility, *, scale: float, prev=None):
+    """(out, lse) of a masked call of ``impl`` (of q's first ``vis.q_len`` rows). ``prev``: the
+    (out, lse) of the same rows against other keys (out's rows taken as q's are), which the call
+    continues: the result is the two merged (``merging.merge``), in the kernel itself where it
+    ``continues`` (no pass of XLA's over both parts), else after it."""
+    call = _entry(impl, "masked_forward")
+    if prev is None:
+        (q,) = _call_rows(impl, vis, q)
+        return firm(call(q, k, v, vis, scale=scale))
+    q, prev_out = _call_rows(impl, vis, q, prev[0])
+    if by_name(impl).continues:
+        return firm(call(q, k, v, vis, scale=scale, prev=(prev_out, prev[1])))
+    part = firm(call(q, k, v, vis, scale=scale))
+    return merge((prev_out, prev[1]), part)
 
 
-def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: float):
-    """(dq, dk, dv) of a masked call whose merged output and log-sum-exp are o and lse."""
+def masked_backward(impl: str, q, k, v, o, lse, do, vis: Visibility, *, scale: float, dq_add=None):
+    """(dq, dk, dv) of a masked call whose merged output and log-sum-exp are o and lse.
+    ``dq_add``: another part's dq of the same rows (in q's dtype, the call's rows), added to this
+    call's in float32 and rounded once (in the kernel where it ``continues``): the same bits
+    either way."""
     q, o, do = _call_rows(impl, vis, q, o, do)
-    return firm(_entry(impl, "masked_backward")(q, k, v, o, lse, do, vis, scale=scale))
+    call = _entry(impl, "masked_backward")
+    if dq_add is not None and by_name(impl).continues:
+        return firm(call(q, k, v, o, lse, do, vis, scale=scale, dq_add=dq_add))
+    dq, dk, dv = firm(call(q, k, v, o, lse, do, vis, scale=scale))
+    if dq_add is not None:
+        dq = rounded(dq.astype(F32) + dq_add.astype(F32), dq.dtype)
+    return dq, dk, dv
 
 
 def prime_masked(impl: str, q, k, vis: Visibility) -> Visibility:

@@ -25,6 +25,12 @@ Two kinds of call:
   its out, lse and dq have T rows. A kernel with ``rows_in_place`` reads them where they lie;
   the others are given the first T rows (``kernels.masked_forward``).
 
+A kernel that ``continues`` takes two more arguments in its masked calls: ``prev=(out, lse)``,
+the same rows' result against other keys (out's rows read as q's are), which the forward
+continues and returns merged with its own; and ``dq_add``, another part's dq of the same rows,
+which the backward adds to its own in float32 before rounding once. ``kernels.masked_forward``
+and ``masked_backward`` take both for every kernel and merge or add in XLA for the others.
+
 Every kernel, both kinds: a row that sees no key has lse = -inf and output 0, and its gradients
 (and those of keys no row sees) are 0, whatever it would compute there; dq, dk, dv come back in
 their inputs' dtypes. The backward is the softmax gradient with P = exp(S - lse) and
@@ -77,6 +83,10 @@ class Kernel:
     # Plain causal calls take a left window (``window=``): the layer then runs a causal window
     # without masks (``plan.RankPlan.plain_windows``).
     plain_windows: bool = False
+    # Masked calls continue a previous part of the same rows: the forward takes ``prev=(out,
+    # lse)`` and returns both merged, the backward takes ``dq_add`` and returns the summed dq
+    # (``kernels.masked_forward``, ``masked_backward``; for the others they merge and add in XLA).
+    continues: bool = False
 
     @property
     def takes_masks(self) -> bool:

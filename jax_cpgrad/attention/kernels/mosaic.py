@@ -47,4 +47,5 @@ KERNEL = Kernel(
     where="on sm_90 GPUs",
     plain_as_masked=True,
     rows_in_place=True,
+    continues=True,
 )
