@@ -161,6 +161,42 @@ def test_halo_visibility_is_exact(ranks, causal, window):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["short", "crossing", "one", "one_token", "repeated"])
+def test_causal_documents_split_at_the_chunks_exactly(ranks, kind):
+    """Causal documents: the local call (own keys) and the remote one (the gathered keys, in
+    place) together see exactly the causal document mask over the whole sequence, and no pair
+    twice: the local call its own chunk's keys alone, the remote one every key before the
+    query's chunk; each call's row and column intervals describe the same pairs."""
+    c, seq = CHUNK, 2 * ranks * CHUNK
+    ids = ac.documents(kind, seq, 2, chunk=c, seed=ranks)
+    words = plan.id_words(jnp.asarray(ids))
+    rank_plan = plan.RankPlan(num_ranks=ranks, causal=True, documents=True)
+    assert rank_plan.split_at_chunks
+    want_all = np.asarray(masks.visible(masks.Mask(causal=True), np.arange(seq), np.arange(seq)))[0]
+    want_all = want_all & ac.document_mask(ids)  # [B, S, S]
+    for r in range(ranks):
+        calls = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words)
+        (local,), (remote,) = calls.local, calls.remote
+        assert (local.keys, remote.keys, remote.rows) == ("own", "gathered", "all")
+        for call in (local, remote):
+            by_row = np.asarray(call.vis.dense())
+            lo, hi = (jnp.asarray(x) for x in (call.vis.col_lo, call.vis.col_hi))
+            by_column = np.asarray(masks.interval_mask(lo, hi, by_row.shape[1]))
+            np.testing.assert_array_equal(by_row, np.swapaxes(by_column, 1, 2))
+        q_pos = np.concatenate(
+            [np.arange(r * c, (r + 1) * c), np.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c)]
+        )
+        seen_locally = np.zeros((2, 2 * c, seq), bool)
+        seen_locally[:, :, q_pos] = np.asarray(local.vis.dense())
+        seen_remotely = np.asarray(remote.vis.dense())
+        assert not (seen_locally & seen_remotely).any()
+        np.testing.assert_array_equal(seen_locally | seen_remotely, want_all[:, q_pos])
+        chunk_of = lambda p: p // c
+        same_chunk = chunk_of(q_pos)[:, None] == chunk_of(np.arange(seq))[None, :]
+        assert not (seen_remotely & same_chunk).any() and not (seen_locally & ~same_chunk).any()
+
+
 def _unfolded(blocks):
     """[2B, m, n] (b-major pairs of blocks) -> [B, 2m, 2n] with each pair on the diagonal."""
     two_b, m, n = blocks.shape
