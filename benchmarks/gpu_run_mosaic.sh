@@ -51,11 +51,12 @@
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # - patch_tests, patch_ab: an experiments patch (PATCH=experiments/<name>.patch, required)
 #   applied to the tree: the Mosaic GPU tests that cover a rank's calls with it (first call,
-#   planted off-by-one, two runs, halo, rows in place; PATCH_TESTS: another -k selection); then,
+#   planted off-by-one, two runs, a rank with a halo and with documents, rows in place; PATCH_TESTS:
+#   another -k selection); then,
 #   side by side in one command, the rank's timeline at 32k, R = 8 (window 512 and causal;
 #   PATCH_CASES: other cases) with it, without it and with it again, and the per-rank reading of
-#   the 512 window (PATCH_MASK: another mask's arguments) with it and without it. The tree is left
-#   without it.
+#   the 512 window (PATCH_MASK: another mask's arguments) with it and without it (PATCH_N: the
+#   timeline's ranks, default 8). The tree is left without it.
 # MOSAIC_BUILD=cuda (implied by layer_tests, halo_tests and cp_step_window) builds the CUDA extension with the
 # test hooks, as gpu_run.sh does; otherwise the extension is built without CUDA (faster; the
 # Pallas kernels need nothing of it).
@@ -206,7 +207,7 @@ for s in "${stages[@]}"; do
       if [ "$s" = patch_tests ]; then
         stage patch_tests 330 env JAX_CPGRAD_REQUIRE_GPU=1 JAX_CPGRAD_MOSAIC_ERRORS="$OUT/mosaic_errors_patch.jsonl" \
           python3 -m pytest -q -s -rs -p no:cacheprovider -o timeout=200 -o timeout_method=thread \
-          tests/test_gpu_mosaic.py -k "${PATCH_TESTS:-first_call or planted or two_runs or halo_against or first_rows}"
+          tests/test_gpu_mosaic.py -k "${PATCH_TESTS:-first_call or planted or two_runs or rank_against or first_rows}"
         git apply -R "$patch"
         continue
       fi
@@ -214,7 +215,7 @@ for s in "${stages[@]}"; do
         [ "$side" = without ] && git apply -R "$patch"
         [ "$side" = with_again ] && git apply "$patch"
         # shellcheck disable=SC2086  # the cases are words
-        stage "timeline_$side" 110 python3 experiments/rank_timeline.py --seq 32k --n 8 --cases ${PATCH_CASES:-window512 causal} \
+        stage "timeline_$side" 110 python3 experiments/rank_timeline.py --seq 32k --n ${PATCH_N:-8} --cases ${PATCH_CASES:-window512 causal} \
           --list 12 --json "$OUT/patch_timeline_$side.json"
       done
       for side in with without; do

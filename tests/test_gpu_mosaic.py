@@ -601,22 +601,44 @@ def test_the_first_rows_of_longer_inputs_are_read_in_place(gpu):
     print("MOSAIC first rows of longer inputs read in place: bitwise equal", flush=True)
 
 
+def _documents_ids(batch: int, length: int, seed: int = 3):
+    """Natural-order segment ids [batch, length] of random document lengths (64 to 3000 tokens:
+    some within a chunk of 1k, some crossing several), every row its own."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < length:
+            lengths.append(int(rng.integers(64, 3000)))
+        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:length])
+    return np.stack(rows).astype(np.int32)
+
+
+# The halo: each chunk's first rows, folded, read in place, whose remote call continues the
+# local part's out and lse there. Documents: the remote call of all rows against the others'
+# chunks, continuing the local part's out and lse, and the local backward adding its dQ.
+RANK_MASKS = {
+    "halo": dict(local_window_size=256),
+    "documents": dict(sequence_segment_ids=_documents_ids(2, 8192)),
+}
+
+
 @pytest.mark.skipif(INTERPRET, reason="the layer's rank on the GPU (an XLA reference of 2k x 2k scores)")
-def test_a_rank_with_a_halo_against_xla(gpu):
-    """One CP rank's fwd + bwd with a causal window under a chunk (the halo call: each chunk's
-    first rows, folded, read in place), as the layer runs it (``rank_without_transfer``, R = 4,
-    B = 2 sharing one mask): ours in bf16 against the XLA kernels in float32, within twice the
-    error of the XLA kernels in bf16 (plus the usual floor)."""
+@pytest.mark.parametrize("mask", list(RANK_MASKS))
+def test_a_rank_against_xla(gpu, mask):
+    """One CP rank's fwd + bwd with a causal window under a chunk, or with documents, as the
+    layer runs it (``rank_without_transfer``, R = 4, B = 2): ours in bf16 against the XLA kernels
+    in float32, within twice the error of the XLA kernels in bf16 (plus the usual floor)."""
     from jax_cpgrad.attention import rank_without_transfer
 
-    S, R, window = 8192, 4, 256
+    S, R = 8192, 4
     keys = jax.random.split(jax.random.key(5), 4)
     shapes = ((2, S // R, 8, 128), (2, S // R, 2, 128), (2, S // R, 2, 128), (2, S // R, 8, 128))
     data = [jax.random.normal(key, shape, F32) for key, shape in zip(keys, shapes, strict=True)]
 
     def grads(impl, dtype, rank):
         def loss(q, k, v, ct, rank):  # the rank traced, as the layer's axis index is
-            out = rank_without_transfer(q, k, v, rank, R, local_window_size=window, implementation=impl)
+            out = rank_without_transfer(q, k, v, rank, R, implementation=impl, **RANK_MASKS[mask])
             return jnp.sum(out.astype(F32) * ct.astype(F32))
 
         f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -633,7 +655,7 @@ def test_a_rank_with_a_halo_against_xla(gpu):
             top = float(jnp.max(jnp.abs(t)))
             half_ulp = 0.5 * float(jnp.finfo(BF16).eps) * 2.0 ** math.floor(math.log2(max(top, 1e-30)))
             tol = 2 * ref + FLOOR + half_ulp
-            print(f"MOSAIC halo rank {rank} {name}: {err:.3g} (xla bf16 {ref:.3g}, tol {tol:.3g})")
+            print(f"MOSAIC {mask} rank {rank} {name}: {err:.3g} (xla bf16 {ref:.3g}, tol {tol:.3g})")
             assert err <= tol, f"rank {rank} {name}: {err:.3g} > {tol:.3g}"
 
 
