@@ -298,11 +298,17 @@ def _dq_kernel(
         tile_of = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32)
 
         @pl.when(sees)
-        def _delta():
+        def _load():
             _load_resident(resident, res_bars, wg)
-            # delta = rowsum(dO * O) of these rows, here rather than in a pass of its own over O
-            # and dO; written out for the dK/dV kernel, which streams it per query tile.
-            delta_smem.at[wg][...] = jnp.sum(tile_of(do_smem_) * tile_of(o_smem.at[wg]), axis=1)
+
+        # delta = rowsum(dO * O) of these rows, here rather than in a pass of its own over O and
+        # dO; written out for the dK/dV kernel, which streams it per query tile. Where nothing is
+        # seen the tiles were not loaded: the value is unused here (no step) and 0 is written.
+        delta_rows = jnp.sum(tile_of(do_smem_) * tile_of(o_smem.at[wg]), axis=1)
+
+        @pl.when(sees)
+        def _delta():
+            delta_smem.at[wg][...] = delta_rows
 
         @pl.when(jnp.logical_not(sees))
         def _no_delta():
@@ -312,7 +318,7 @@ def _dq_kernel(
         plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[batch, head, rows])
         shape = (block_q, block_k)
         bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
-        delta = bcast(plgpu.load(delta_smem.at[wg], layout=wgmma_rows))
+        delta = bcast(delta_rows)
         lse, vlo, vhi = (
             bcast(plgpu.load(ref.at[wg], layout=wgmma_rows)) for ref in (lse_smem, vlo_smem, vhi_smem)
         )
