@@ -304,6 +304,9 @@ def test_config_and_input_checks():
         mb.backward(q, k, v, out.astype(BF16), lse, d_out, vis, scale=0.125)
     with pytest.raises(ValueError, match="shared memory"):
         mb.backward(q, k, v, out, lse, d_out, vis, scale=0.125, config=mb.BackwardConfig(num_stages=40))
+    for bad in (q.astype(BF16), q[:, :-1]):  # another dtype, another row count
+        with pytest.raises(ValueError, match=r"dq_add must be \[B, T, N, H\]"):
+            mb.backward(q, k, v, out, lse, d_out, vis, scale=0.125, dq_add=bad)
     q256, k256 = jnp.zeros(q.shape[:3] + (256,), q.dtype), jnp.zeros(k.shape[:3] + (256,), k.dtype)
     with pytest.raises(ValueError, match="head dimensions 64, 128"):
         mb.backward(q256, k256, k256, q256, lse, q256, vis, scale=0.125)

@@ -358,6 +358,22 @@ def test_bad_inputs(kwargs, match):
         _call(**kwargs)
 
 
+def test_bad_prev():
+    """``prev`` must be (out shaped and typed as q, lse [B, N, T])."""
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 128), F32)
+    vis = masks.visibility(masks.Mask(causal=True), jnp.arange(128), jnp.arange(128))
+    call = lambda prev: jax.eval_shape(
+        lambda q, k, p: forward(q, k, k, vis, scale=0.125, prev=p), q, kv, prev
+    )
+    for bad in [(jax.ShapeDtypeStruct(q.shape, F32), lse), (q, jax.ShapeDtypeStruct((1, 2, 64), F32))]:
+        with pytest.raises(ValueError, match="prev must be"):
+            call(bad)
+    out, merged = call((q, lse))
+    assert out.shape == q.shape and merged.shape == lse.shape
+
+
 def test_bad_visibility():
     """A mask of more query rows than q holds, or of another key count, is refused (fewer rows
     are the call of q's first rows: ``test_interpret_reads_the_first_rows_of_a_longer_q``)."""

@@ -181,7 +181,7 @@ def forward(q, k, v, vis, *, scale: float, config: Config | None = None, prev=No
 
     ``prev``: ``(out, lse)`` of the same rows against other keys (rows read as q's are: the
     first T, in place), which the call continues: the result is the two merged (as
-    ``schedule.merge``, without rounding this call's part first), and a row that sees no key
+    ``merging.merge``, without rounding this call's part first), and a row that sees no key
     here gets ``prev``'s out and lse back, bit for bit."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"implementation='mosaic': scale must be a Python number > 0, got {scale!r}")
@@ -426,6 +426,8 @@ def _continued(prev_out_ref, prev_lse_ref, out_smem, lse_smem, bars, wg, acc, m_
     plgpu.copy_gmem_to_smem(prev_lse_ref, lse_smem, bars.at[2 * wg + 1])
     plgpu.barrier_wait(bars.at[2 * wg])
     plgpu.barrier_wait(bars.at[2 * wg + 1])
+    # Both tiles are written over below: the out tile's elements each by the one thread that
+    # read it; a row's lse by the lanes of the quad that hold it, one warp, after its load.
     prev_out = plgpu.load(out_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     prev_lse = plgpu.load(lse_smem, layout=row_layout)
     top = jnp.maximum(prev_lse, lse)
