@@ -51,9 +51,9 @@
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # - patch_tests, patch_ab: an experiments patch (PATCH=experiments/<name>.patch, required)
 #   applied to the tree: the Mosaic GPU tests that cover a rank's calls with it (first call,
-#   planted off-by-one, two runs, a rank with a halo and with documents, rows in place; PATCH_TESTS:
-#   another -k selection); then,
-#   side by side in one command, the rank's timeline at 32k, R = 8 (window 512 and causal;
+#   planted off-by-one, two runs, a rank with a halo and with documents, rows in place;
+#   PATCH_TESTS: another -k selection); then, side by side in one command, the rank's timeline
+#   at 32k, R = 8 (window 512 and causal;
 #   PATCH_CASES: other cases) with it, without it and with it again, and the per-rank reading of
 #   the 512 window (PATCH_MASK: another mask's arguments) with it and without it (PATCH_N: the
 #   timeline's ranks, default 8). The tree is left without it.

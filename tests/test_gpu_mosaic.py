@@ -62,6 +62,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import attention_check as ac
 from gpu_support import need
 from jax_cpgrad.attention import masks, mosaic_gpu, tile_plan
 from jax_cpgrad.attention.mosaic_gpu import config as mconfig
@@ -601,25 +602,13 @@ def test_the_first_rows_of_longer_inputs_are_read_in_place(gpu):
     print("MOSAIC first rows of longer inputs read in place: bitwise equal", flush=True)
 
 
-def _documents_ids(batch: int, length: int, seed: int = 3):
-    """Natural-order segment ids [batch, length] of random document lengths (64 to 3000 tokens:
-    some within a chunk of 1k, some crossing several), every row its own."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(batch):
-        lengths = []
-        while sum(lengths) < length:
-            lengths.append(int(rng.integers(64, 3000)))
-        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:length])
-    return np.stack(rows).astype(np.int32)
-
-
 # The halo: each chunk's first rows, folded, read in place, whose remote call continues the
-# local part's out and lse there. Documents: the remote call of all rows against the others'
-# chunks, continuing the local part's out and lse, and the local backward adding its dQ.
+# local part's out and lse there. Documents of 1.5 chunks (S = 8k, R = 4: 1k-token chunks), across
+# chunk and rank edges: the remote call of all rows against the others' chunks, continuing the
+# local part's out and lse (some of its programs see nothing), and the local backward adding its dQ.
 RANK_MASKS = {
     "halo": dict(local_window_size=256),
-    "documents": dict(sequence_segment_ids=_documents_ids(2, 8192)),
+    "documents": dict(sequence_segment_ids=ac.documents("crossing", 8192, 2, chunk=1024)),
 }
 
 

@@ -66,12 +66,15 @@ class Case:
         q_pos = np.arange(self.L - self.T, self.L) if self.q_pos is None else np.asarray(self.q_pos)
         return jnp.asarray(q_pos, jnp.int32), jnp.arange(self.L, dtype=jnp.int32)
 
+    def runs(self):
+        """The documents' run ids [B, L], or None."""
+        if self.docs is None:
+            return None
+        return masks.run_ids(jnp.asarray([np.repeat(np.arange(len(d)), d) for d in self.docs], jnp.int32))
+
     def visibility(self):
         q_pos, k_pos = self.positions()
-        if self.docs is None:
-            return masks.visibility(self.mask, q_pos, k_pos)
-        ids = jnp.asarray([np.repeat(np.arange(len(d)), d) for d in self.docs], jnp.int32)
-        runs = masks.run_ids(ids)
+        runs = self.runs()
         return masks.visibility(self.mask, q_pos, k_pos, runs, runs)
 
 
@@ -223,9 +226,7 @@ def _split_keys(case: Case, at: int):
     """The case's call cut in two at key ``at``: ((k, v, vis) of the first keys, of the rest)."""
     q, k, v = _inputs(case, jnp.bfloat16)
     q_pos, k_pos = case.positions()
-    runs = None
-    if case.docs is not None:
-        runs = masks.run_ids(jnp.asarray([np.repeat(np.arange(len(d)), d) for d in case.docs], jnp.int32))
+    runs = case.runs()
     part = lambda sl: (
         k[:, sl], v[:, sl],
         masks.visibility(case.mask, q_pos, k_pos[sl], runs, None if runs is None else runs[:, sl]),
