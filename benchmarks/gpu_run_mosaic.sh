@@ -30,7 +30,9 @@
 # - attention_tests: layer_tests, cudnn_window_tests and halo_tests at once, as XDIST (default 6)
 #   pytest workers sharing the GPU (the tests' processes compile on the host's cores side by side;
 #   all twelve, negative controls and the missing neighbour included, passed so in 261 s on an
-#   H200; without pytest-xdist, one at a time, which may not fit one command);
+#   H200; on an H100 11 had passed at 279 s: give it the whole command there; each test's name
+#   and result in the log as it ends; without pytest-xdist, one at a time, which may not fit one
+#   command);
 # - halo_tests: its halo tests (the window's halo transfer at 2 and 4 processes, the negative
 #   control, a missing neighbour), 348-455 s one at a time: give it a whole command (or run
 #   attention_tests). Both need the CUDA build.
@@ -145,7 +147,7 @@ for s in "${stages[@]}"; do
     attention_tests)  # all three at once, XDIST (default 6) pytest workers sharing the GPU
       workers=(-n "${XDIST:-6}")
       python3 -c 'import xdist' 2>/dev/null || { say "=== no pytest-xdist: one test at a time"; workers=(); }
-      stage attention_tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -v -rs -p no:cacheprovider \
+      stage attention_tests 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -v -rs -p no:cacheprovider \
         "${workers[@]}" tests/test_gpu_attention.py $(args_of attention_tests)
       ;;
     layer_tests | halo_tests | cudnn_window_tests)  # about 400 s, about 300 s, about 200 s

@@ -119,6 +119,51 @@ def thunks(text: str) -> dict:
     )
 
 
+_SHAPE = r"[a-z0-9]+\[([0-9,]*)\]"
+
+
+def attention_calls(hlo: str) -> list[str]:
+    """Our kernels in an optimized (scheduled) HLO module's order of execution, each named by what
+    it is: the forward (``fwd``; ``continues`` with a previous part's out and lse), the dQ kernel
+    (``dQ``; ``adds dQ`` with another part's), the dK/dV kernel, and the keys it reads (``L``,
+    operand 1's length: a rank's own, the other ranks', a halo's). A profile lists the kernels in
+    launch order under shared names; these say which is which. The entry computation runs in its
+    text's order; a kernel XLA wrapped in a fusion (reading a dynamic slice in place) runs where
+    the fusion does."""
+    kernels_in: dict[str, list[str]] = collections.defaultdict(list)  # computation -> its kernels
+    calls: list[tuple[str, str]] = []  # the entry computation's lines: (kernel or "", called computation)
+    computation, entry = None, False
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            computation, entry = header.group(2), bool(header.group(1))
+            continue
+        kernel = _kernel_name(line) if 'custom_call_target="mosaic_gpu' in line else ""
+        if kernel and computation:
+            kernels_in[computation].append(kernel)
+        if entry:
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            calls.append((kernel, called.group(1) if called else ""))
+    names = []
+    for kernel, called in calls:
+        names += [kernel] if kernel else kernels_in.get(called, [])
+    return names
+
+
+def _kernel_name(line: str) -> str:
+    """What a line's Mosaic GPU custom call is (``attention_calls``)."""
+    result = line.split("custom-call(")[0]
+    operands = re.search(r"operand_layout_constraints=\{(.*?)\}, [a-z_]+=", line)
+    shapes = re.findall(_SHAPE, operands.group(1)) if operands else []
+    keys = int(shapes[1].split(",")[1]) if len(shapes) > 1 else -1
+    outputs = re.findall(_SHAPE, result)
+    if len(outputs) == 2 and outputs[1].count(",") == 2:  # (out or dq [B, T, N, H], lse or delta [B, N, T])
+        kind = {4: "fwd", 6: "fwd continues", 7: "dQ", 8: "dQ adds dQ"}.get(len(shapes), f"? {len(shapes)}")
+    else:
+        kind = "dK/dV"
+    return f"{kind} L={keys}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=parse_tokens, default=32 * 1024)
@@ -170,7 +215,7 @@ def main(argv=None) -> int:
 
         f = fwd_bwd(attend)
         folder = os.path.join(opts.dump, f"{case}_n{n}_l{layers}") if opts.dump else tempfile.mkdtemp()
-        f.lower(*args).compile(compiler_options={"xla_dump_to": folder})
+        compiled = f.lower(*args).compile(compiler_options={"xla_dump_to": folder})
         sequences = sorted(glob.glob(os.path.join(folder, "*thunk_sequence*.txt")))
         # the sequence after XLA's thunk passes (command buffers) where they changed it
         after = [s for s in sequences if "after_thunk_passes" in s] or sequences
@@ -181,6 +226,7 @@ def main(argv=None) -> int:
                 gpu=opts.gpu,
             )  # fmt: skip
             row |= thunks(fh.read())
+        row["attention_calls"] = attention_calls(compiled.as_text())
         rows.append(row)
         print(
             f"{case} S={human_tokens(opts.seq)} R={n}, {layers} layer(s){' scanned' * opts.scan}"
@@ -191,6 +237,7 @@ def main(argv=None) -> int:
             + (f"; {row['in_loop_bodies']} of them in loop bodies (each layer's)" if opts.scan else ""),
             flush=True,
         )
+        print(f"      our kernels in order: {', '.join(row['attention_calls'])}")
         for name, count in row["by_name"].items():
             print(f"      x{count:<3} {name}")
     if opts.json:

@@ -9,9 +9,11 @@ benchmarks/attention.py reads it; documents of 4096 with the whole sequence's id
 - the time per call, back to back (the benchmark's reading);
 - from a profiler trace of a few calls: every kernel by name (time and launches per call), their
   summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions), and the
-  attention kernels of one call in launch order (which tells the calls' kernels apart: they share
-  names); the busy time against the call's time is the GPU's idle share, and the last call's
-  idle gaps on the GPU say whether the idle time is spread over the launches (the host) or not;
+  attention kernels of one call in launch order, ours each named from the compiled HLO
+  (``rank_thunks.attention_calls``: the forward, dQ or dK/dV, and the keys it reads, which tells
+  the local call from the remote one: in the trace they share names); the busy time against the
+  call's time is the GPU's idle share, and the last call's idle gaps on the GPU say whether the
+  idle time is spread over the launches (the host) or not;
 - with ``--bwd-config name=value ...``, our backward kernels' ``BackwardConfig`` changed in every
   call the layer makes (e.g. ``narrow_small_grids=false``: the same case with and without it);
 - with ``--hlo DIR``, the optimized HLO of each case, whose fusion names and source lines (its
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 from attention import back_to_back, document_ids, fwd_bwd, human_tokens, inputs, parse_tokens, rank_attention  # noqa: E402
 from mosaic_attention import config_changes  # noqa: E402
-from rank_thunks import CASES  # noqa: E402  (the cases both probes take: this folder is on the path)
+from rank_thunks import CASES, attention_calls  # noqa: E402  (shared by both probes: this folder is on the path)
 
 # the module (the package re-exports its function under the same name)
 mosaic_backward = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
@@ -143,10 +145,12 @@ def main(argv=None) -> int:
                     first_call_s=first_call_s,
                 )
                 row |= timeline(f, args, steps=3)
+                hlo = f.lower(*args).compile().as_text()
+                row["attention_calls"] = attention_calls(hlo)  # what each kernel in launch order is
                 if opts.hlo:
                     os.makedirs(opts.hlo, exist_ok=True)
                     with open(os.path.join(opts.hlo, f"{case}_{impl}_n{n}.hlo.txt"), "w") as fh:
-                        fh.write(f.lower(*args).compile().as_text())
+                        fh.write(hlo)
                 rows.append(row)
                 kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row.get("by_kind_us", {}).items()))
                 print(
@@ -160,7 +164,10 @@ def main(argv=None) -> int:
                     f"{row.get('call_idle_us', 0):.0f} us in {row.get('call_gaps', 0)} gaps; the longest "
                     f"(us, after): {row.get('longest_gaps_us')}"
                 )
-                order = row.get("attention_kernels_in_order_us")
+                order = row.get("attention_kernels_in_order_us") or []
+                names = row["attention_calls"]
+                if len(names) == len(order):  # our kernels alone (cuDNN's are not named)
+                    order = [f"{name} {us}" for name, us in zip(names, order, strict=True)]
                 print(f"      attention kernels in launch order (us): {order}")
                 for name, us, count in row.get("kernels", [])[: opts.list]:
                     print(f"      {us:8.1f} us  x{count:<4.0f} {name}")
