@@ -127,27 +127,32 @@ def attention_calls(hlo: str) -> list[str]:
     it is: the forward (``fwd``; ``continues`` with a previous part's out and lse), the dQ kernel
     (``dQ``; ``adds dQ`` with another part's), the dK/dV kernel, and the keys it reads (``L``,
     operand 1's length: a rank's own, the other ranks', a halo's). A profile lists the kernels in
-    launch order under shared names; these say which is which. The entry computation runs in its
-    text's order; a kernel XLA wrapped in a fusion (reading a dynamic slice in place) runs where
-    the fusion does."""
-    kernels_in: dict[str, list[str]] = collections.defaultdict(list)  # computation -> its kernels
-    calls: list[tuple[str, str]] = []  # the entry computation's lines: (kernel or "", called computation)
-    computation, entry = None, False
+    launch order under shared names; these say which is which. A scheduled computation runs in
+    its text's order; a kernel inside a called computation (a fusion reading a dynamic slice in
+    place, a command buffer, a scanned layer's loop body) runs where the call does; a loop body
+    is listed once."""
+    items: dict[str, list[str]] = collections.defaultdict(list)  # computation -> kernels and callees
+    computation, entry = None, None
     for line in hlo.splitlines():
         header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
         if header:
-            computation, entry = header.group(2), bool(header.group(1))
-            continue
-        kernel = _kernel_name(line) if 'custom_call_target="mosaic_gpu' in line else ""
-        if kernel and computation:
-            kernels_in[computation].append(kernel)
-        if entry:
-            called = re.search(r"calls=%([\w.\-]+)", line)
-            calls.append((kernel, called.group(1) if called else ""))
-    names = []
-    for kernel, called in calls:
-        names += [kernel] if kernel else kernels_in.get(called, [])
-    return names
+            computation = header.group(2)
+            entry = computation if header.group(1) else entry
+        elif computation and 'custom_call_target="mosaic_gpu' in line:
+            items[computation].append(_kernel_name(line))
+        elif computation:
+            called = re.findall(r"(?:calls|to_apply|body)=%([\w.\-]+)", line)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            called += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+            items[computation] += ["%" + c for c in called]
+
+    def expand(name: str, depth: int = 0) -> list[str]:
+        out = []
+        for item in items.get(name, []) if depth < 16 else []:
+            out += expand(item[1:], depth + 1) if item.startswith("%") else [item]
+        return out
+
+    return expand(entry) if entry else []
 
 
 def _kernel_name(line: str) -> str:
