@@ -131,7 +131,8 @@ def attention_calls(hlo: str) -> list[str]:
     its text's order; a kernel inside a called computation (a fusion reading a dynamic slice in
     place, a command buffer, a scanned layer's loop body) runs where the call does; a loop body
     is listed once."""
-    items: dict[str, list[str]] = collections.defaultdict(list)  # computation -> kernels and callees
+    # computation -> its lines' kernels and called computations, in order: ("kernel" | "call", name)
+    items: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     computation, entry = None, None
     for line in hlo.splitlines():
         header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
@@ -139,17 +140,17 @@ def attention_calls(hlo: str) -> list[str]:
             computation = header.group(2)
             entry = computation if header.group(1) else entry
         elif computation and 'custom_call_target="mosaic_gpu' in line:
-            items[computation].append(_kernel_name(line))
+            items[computation].append(("kernel", _kernel_name(line)))
         elif computation:
             called = re.findall(r"(?:calls|to_apply|body)=%([\w.\-]+)", line)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             called += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
-            items[computation] += ["%" + c for c in called]
+            items[computation] += [("call", name) for name in called]
 
-    def expand(name: str, depth: int = 0) -> list[str]:
+    def expand(computation: str, depth: int = 0) -> list[str]:
         out = []
-        for item in items.get(name, []) if depth < 16 else []:
-            out += expand(item[1:], depth + 1) if item.startswith("%") else [item]
+        for kind, name in items.get(computation, []) if depth < 16 else []:
+            out += expand(name, depth + 1) if kind == "call" else [name]
         return out
 
     return expand(entry) if entry else []
