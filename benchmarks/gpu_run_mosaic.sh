@@ -47,8 +47,11 @@
 #   "--seq 64k" for another length);
 #   per_rank_plain_kernels: plain causal attention per rank, cuDNN's split calls then ours (one
 #   masked call per pass), both against cuDNN's unsharded call (--ideal dense), S = 32k;
-# - rank_timeline: experiments/rank_timeline.py at 32k, R = 4 and 8, windows of 512 and 4096, with
-#   the backward's small grids narrowed to one consumer (the default), then not;
+# - rank_timeline: experiments/rank_timeline.py at 32k (TIMELINE_N: the ranks, default 4 8;
+#   TIMELINE_CASES: default window512 window4096) with the default backward config, then with each
+#   of BWD_CHANGES (BackwardConfig changes, default narrow_small_grids=false: the small grids not
+#   narrowed to one consumer; pingpong=true: the consumers taking turns), then the default again
+#   (the readings' drift);
 # - cp_step_window: benchmarks/cp_step.py with 5 window layers (1024) to 1 global at 16k, R = 1,
 #   XLA's collectives and the peer transport (plain, overlapped) against none; needs the CUDA build.
 # - patch_tests, patch_ab: an experiments patch (PATCH=experiments/<name>.patch, required)
@@ -188,12 +191,15 @@ for s in "${stages[@]}"; do
           --json "$OUT/$name.json" --png "$OUT/$name.png" $(args_of "$s")
       done
       ;;
-    rank_timeline)  # a rank's kernels (experiments/rank_timeline.py), small grids narrowed and not
-      for changes in "" narrow_small_grids=false; do
-        name=rank_timeline${changes:+_not_narrowed}
-        # shellcheck disable=SC2046  # no --bwd-config at all for the default
-        stage "$name" 200 python3 experiments/rank_timeline.py --seq 32k --n 4 8 --cases window512 window4096 \
-          --list 25 --json "$OUT/$name.json" $([ -n "$changes" ] && echo --bwd-config "$changes") $(args_of "$s")
+    rank_timeline)  # a rank's kernels (experiments/rank_timeline.py): default, each change, default again
+      side=default
+      for changes in "" ${BWD_CHANGES:-narrow_small_grids=false} ""; do
+        if [ -n "$changes" ]; then name=rank_timeline_${changes%%=*}; else name=rank_timeline_$side; fi  # no "="
+        [ -z "$changes" ] && side=default_again
+        # shellcheck disable=SC2046,SC2086  # no --bwd-config at all for the default; lists are words
+        stage "$name" 200 python3 experiments/rank_timeline.py --seq 32k --n ${TIMELINE_N:-4 8} \
+          --cases ${TIMELINE_CASES:-window512 window4096} --list 25 --json "$OUT/$name.json" \
+          $([ -n "$changes" ] && echo --bwd-config "$changes") $(args_of "$s")
       done
       ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1

@@ -29,6 +29,14 @@ the launches in the loops' bodies, which run once a layer, are counted apart.
 
 Not compiled as on a GPU: without a device XLA cannot autotune (its GEMM and fusion tiles may
 differ), which leaves the launches' count and kinds as they are.
+
+Our kernels are compiled here all the way to sm_90a machine code too: with
+``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR`` Mosaic GPU writes each
+kernel's PTX and ptxas' report (registers, spills) to DIR, one file pair per kernel (the dK/dV
+kernels are those with 135168 bytes of shared memory in their ``.resources.txt``). A kernel
+change that must not change the default form can be checked by its PTX without the ``.loc`` and
+``.file`` lines (source positions), and a spill placed by its SASS (``ptxas`` on the PTX, then
+``cuobjdump -sass`` from the ``nvidia-cuda-cuobjdump`` wheel).
 """
 
 from __future__ import annotations

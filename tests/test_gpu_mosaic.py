@@ -550,30 +550,39 @@ def test_register_forms_against_shared_memory_forms(gpu, name, case_names):
 
 
 @pytest.mark.parametrize("name, case_names", FORMS, ids=[f[0] for f in FORMS])
-def test_one_and_two_backward_consumers_give_the_same_bits(gpu, name, case_names):
+def test_backward_consumers_and_turns_give_the_same_bits(gpu, name, case_names):
     """A second consumer warpgroup changes which rows (keys) share a program, not the sums: each
     row's (key's) tiles are visited in the same order, the extra tiles of the wider program adding
     exact zeros, so the gradients are the same bits; and so does the default, which runs a kernel
-    whose grid is under a wave of SMs with one consumer (``narrow_small_grids``)."""
+    whose grid is under a wave of SMs with one consumer (``narrow_small_grids``), and two
+    consumers taking turns on the tensor cores (``pingpong``), which reorders only the issues."""
     group = BY_NAME.get(name, GROUPS[0])
     cases = [c for c in group.cases if c.name in case_names] or list(group.cases[:1])
     data = group.inputs()
     fwd, bwd = configs(group.H)
-    assert bwd.consumers == 2 and bwd.narrow_small_grids, bwd
+    assert bwd.consumers == 2 and bwd.narrow_small_grids and not bwd.pingpong, bwd
     # these grids are under a wave of SMs: without narrow_small_grids=False, 2 would run 1
-    one, two = (ours(fwd, bwd.replace(consumers=n, narrow_small_grids=False), group.H**-0.5) for n in (1, 2))
+    one, two, turns = (
+        ours(fwd, bwd.replace(consumers=n, narrow_small_grids=False, pingpong=pp), group.H**-0.5)
+        for n, pp in ((1, False), (2, False), (2, True))
+    )
     narrowed = ours(fwd, bwd, group.H**-0.5)
     picked = list(mb.consumers_of(bwd, data[0].shape, data[1].shape, mconfig.sm_count()))
     for case in cases:
         vis, _ = case.masks_of()
-        got_one, got_two, got_default = (call(f, *data, vis) for f in (one, two, narrowed))
-        for label, got in (("1 vs 2 consumers", got_one), (f"default {picked} vs 2 consumers", got_default)):
+        got_one, got_two, got_turns, got_default = (call(f, *data, vis) for f in (one, two, turns, narrowed))
+        labelled = (
+            ("1 vs 2 consumers", got_one),
+            ("2 consumers taking turns vs not", got_turns),
+            (f"default {picked} vs 2 consumers", got_default),
+        )
+        for label, got in labelled:
             for n, a, b in zip(("dq", "dk", "dv"), got[2:], got_two[2:], strict=True):
                 d = float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32))))
                 assert np.array_equal(_bits(a), _bits(b)), f"{case.name}: {n} differs by {d:.3g} ({label})"
         print(
-            f"MOSAIC {group.name} {case.name}: 1, 2 and the default's {picked} (dQ, dK/dV) backward "
-            "consumers bitwise equal",
+            f"MOSAIC {group.name} {case.name}: 1, 2, 2 taking turns and the default's {picked} (dQ, dK/dV) "
+            "backward consumers bitwise equal",
             flush=True,
         )
 

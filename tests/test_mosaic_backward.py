@@ -172,6 +172,37 @@ def test_interpret_matches_reference(name, consumers):
 
 
 @needs_interpret
+@pytest.mark.timeout(300)  # turns that do not pair up hang the interpreter (as they would a GPU)
+@pytest.mark.parametrize("name", ["documents_causal_gqa4", "window_two_sided", "rows_see_nothing_f16"])
+def test_interpret_pingpong_gives_the_same_bits(name, monkeypatch):
+    """The consumers taking turns (``pingpong``) change only the order of the issues: dq, dk, dv
+    are bitwise those without turns. Both kernels run two consumers here and take turns."""
+    q, k, v, d_out, vis = _inputs(name)
+    scale = q.shape[-1] ** -0.5
+    out32, _ = _reference_grads(q, k, v, d_out, vis, scale, F32)
+    lse = _lse(q, k, vis, scale)
+    config = mb.default_config(q.shape[-1], interpret=True).replace(narrow_small_grids=False)
+    turns = []
+
+    class Spy(mb.Turns):  # records whether each kernel built takes turns
+        def __init__(self, barrier, wg):
+            turns.append(barrier is not None)
+            super().__init__(barrier, wg)
+
+    monkeypatch.setattr(mb, "Turns", Spy)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        run = lambda c: jax.block_until_ready(
+            mb.backward(q, k, v, out32, lse, d_out, vis, scale=scale, config=c)
+        )
+        plain = run(config)
+        assert turns == [False, False]
+        taking_turns = run(config.replace(pingpong=True))
+        assert turns[2:] == [True, True]  # the dQ kernel's and the dK/dV kernel's
+    for what, got, want in zip(("dq", "dk", "dv"), taking_turns, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=what)
+
+
+@needs_interpret
 @pytest.mark.parametrize("name", ["documents_causal_gqa4"])
 def test_interpret_rounded_out(name):
     """With out rounded to q's dtype (what the layer passes), against the plain-jnp blockwise
@@ -290,6 +321,8 @@ def test_config_and_input_checks():
         mb.BackwardConfig(block_q=96)
     with pytest.raises(ValueError, match="num_stages"):
         mb.BackwardConfig(num_stages=1)
+    with pytest.raises(ValueError, match="pingpong needs consumers=2"):
+        mb.BackwardConfig(consumers=1, pingpong=True)
     q, k, v, d_out, vis = _inputs("full_f16")
     out, lse = q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
     with pytest.raises(ValueError, match="lse"):
@@ -349,13 +382,14 @@ def test_small_grids_run_one_consumer(monkeypatch):
 
 
 def _export(
-    name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2, out_dtype=None, adds: bool = False
-):
+    name: str, head_dim: int, operands_via_smem: bool, consumers: int = 2, out_dtype=None, adds: bool = False,
+    pingpong: bool = False,
+):  # fmt: skip
     q, k, v, d_out, vis = _inputs(name, head_dim)
     lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
     out = q if out_dtype is None else q.astype(out_dtype)
     config = mb.default_config(head_dim, interpret=operands_via_smem).replace(
-        consumers=consumers, narrow_small_grids=False
+        consumers=consumers, narrow_small_grids=False, pingpong=pingpong
     )
     f = lambda *a: mb.backward(*a[:7], scale=head_dim**-0.5, config=config, dq_add=a[7] if adds else None)
     operands = (q, k, v, out, lse, d_out, vis, q)
@@ -384,6 +418,15 @@ def test_interpret_form_lowers_for_cuda(head_dim, consumers):
     text = _export(
         "documents_causal_gqa4", head_dim, operands_via_smem=True, consumers=consumers
     ).mlir_module()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+
+
+@needs_cuda_lowering
+@pytest.mark.parametrize("adds", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pingpong_lowers_for_cuda(head_dim, adds):
+    """Both kernels with their consumers taking turns, in the GPU form (operands in registers)."""
+    text = _export("documents_causal_gqa4", head_dim, False, adds=adds, pingpong=True).mlir_module()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
 
 

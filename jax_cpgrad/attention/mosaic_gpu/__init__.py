@@ -3,6 +3,8 @@
 - ``forward.py``: the forward, ``forward(q, k, v, vis, *, scale, config=None) -> (out, lse)``;
 - ``config.py``: its ``Config``, ``default_config`` and limits (``check``, ``check_device``);
 - ``backward.py``: the dQ and dK/dV kernels, ``backward(...)`` with ``BackwardConfig``;
+- ``turns.py``: the ping-pong turns of a kernel's two consumers (the forward's; the backward's
+  with ``BackwardConfig.pingpong``); ``packed_plan.py``: a kernel's mask operands as one array;
 - ``prime_forward`` and ``prime_backward``: a mask's tile plans made ahead of the calls (the layer
   makes them with its masks, outside its custom VJP).
 

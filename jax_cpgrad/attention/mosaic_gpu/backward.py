@@ -74,12 +74,14 @@ dK/dV and dQ together (5 matmuls per tile pair instead of our 3 + 4), adding dQ 
 global buffer with atomics (a separate warp does the TMA reduce-add) and converting it in a
 post-kernel, with GQA dK/dV also summed by atomics unless run in its slower deterministic mode.
 It uses two consumer warpgroups (M = 128 rows per program), as we do, and overlaps the softmax of
-one with the wgmmas of the other by explicit turns, which we do not. We pay about 40% more matmul
+one with the wgmmas of the other by explicit turns, which ours do only with ``pingpong`` (off
+until a GPU has timed it). We pay about 40% more matmul
 work for determinism, no float32 global dQ buffer and no atomics, and for a mask-aware tile range
 in each direction. Measured on an H200 (2026-12-03, ``benchmarks/results/README.md``, finding 11):
 1.09-1.12x cuDNN's default backward time at 16k-64k at head dim 128 (1.13-1.14x at head dim
 64): 7 matmuls per tile pair to its 5 in 1.1x the time. The rest of the way is dQ summed inside
-the dK/dV kernel in a fixed order, or ping-pong turns.
+the dK/dV kernel in a fixed order, or ping-pong turns (``BackwardConfig.pingpong``, built and
+checked for the same bits in the interpreter, not yet timed).
 
 Shapes: q ``[B, T, N, H]``, k/v ``[B, L, K, H]``, lse ``[B, N, T]`` float32 natural log.
 """
@@ -103,6 +105,7 @@ from ..mesh_axes import varying_like
 from . import config as config_lib
 from .forward import leading_rows, pad_axis, read_tile
 from .packed_plan import PackedPlan, ranges_lengths, ranges_sections
+from .turns import Turns
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -129,7 +132,12 @@ class BackwardConfig:
     - ``narrow_small_grids``: a kernel whose grid of one-consumer programs still fits in one
       wave of the GPU's SMs runs with one consumer (``kernel_consumers``). Such a grid leaves
       half the SMs idle with two, and its time is the longest program's chain of steps; one
-      consumer a program halves the keys (rows) each walks. The same bits either way.
+      consumer a program halves the keys (rows) each walks. The same bits either way;
+    - ``pingpong``: the two consumers of a kernel take turns on the tensor cores, one computing
+      P and dS while the other's matmuls run (``turns.py``, the forward's scheme). Without turns
+      they wait for the same slot and so run in step, both in their exponentials at once. The
+      same bits either way; off by default until a GPU has timed it (``--bwd-config
+      pingpong=true`` in ``benchmarks/mosaic_attention.py`` and ``experiments/rank_timeline.py``).
     """
 
     block_q: int = 64
@@ -138,6 +146,7 @@ class BackwardConfig:
     consumers: int = 2
     operands_via_smem: bool = False
     narrow_small_grids: bool = True
+    pingpong: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -148,6 +157,10 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
         if self.consumers not in (1, 2):
             raise ValueError(f"BackwardConfig.consumers must be 1 or 2 warpgroups, got {self.consumers!r}")
+        if self.pingpong and self.consumers != 2:
+            raise ValueError(
+                "BackwardConfig.pingpong needs consumers=2 (two warpgroups take turns); set pingpong=False"
+            )
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, out_itemsize: int | None = None) -> int:
         """Shared memory of the larger of the two kernels (bytes); ``out_itemsize``: the given
@@ -210,13 +223,16 @@ def _smem_transforms(dtype):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _matmuls(*operands, shape):
-    """Products a @ b of the (a, b) pairs, each in a fresh float32 accumulator, issued together."""
+def _matmuls(*operands, shape, issued=None):
+    """Products a @ b of the (a, b) pairs, each in a fresh float32 accumulator, issued together;
+    ``issued()``, if given, runs after the issue and before the wait for the products."""
     pairs = list(zip(operands[::2], operands[1::2], strict=True))
 
     def body(*accs):
         for acc, (a, b) in zip(accs, pairs, strict=True):
             plgpu.wgmma(acc, a, b)
+        if issued is not None:
+            issued()
         return tuple(acc[...] for acc in accs)
 
     return pl.run_scoped(body, *[plgpu.ACC(shape, F32) for _ in pairs])
@@ -257,7 +273,7 @@ def _load_resident(pairs, barriers, wg):
 
 def _dq_kernel(
     *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout,
-    adds,
+    pingpong, adds,
 ):  # fmt: skip
     q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref = refs[:6]
     add_ref = refs[6] if adds else None
@@ -270,6 +286,7 @@ def _dq_kernel(
     add_bars = refs[15 + via_smem] if adds else None
     head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg, consumers = lax.axis_index("wg"), q_smem.shape[0]
+    turns = Turns(refs[-1] if pingpong else None, wg)
     bp = batch if per_batch_plan else 0
     tile, (lo, full_lo, full_hi, hi) = read_tile(plan_ref, layout, "q_", bp, i)
     kv_head = lax.div(head, jnp.int32(groups))
@@ -330,17 +347,21 @@ def _dq_kernel(
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-                s, dp = _matmuls(q_smem_, k_tile.T, do_smem_, v_tile.T, shape=shape)
+                s, dp = _matmuls(q_smem_, k_tile.T, do_smem_, v_tile.T, shape=shape, issued=turns.give)
                 p = jnp.exp2(s * F32(scale * LOG2E) - lse)
                 if masked:
                     col = cols + j * block_k
                     p = jnp.where((col >= vlo) & (col < vhi), p, 0.0)
                 ds = _operand(p * (dp - delta), k_tile.dtype, ds_smem_)
+                turns.done()
+                turns.take()
                 plgpu.wgmma(dq_acc, ds, k_tile)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free_bars.at[slot])
 
+            turns.start()
             tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, step)
+            turns.end()
             return dq_acc[...]
 
         dq = (pl.run_scoped(run, plgpu.ACC((block_q, head_dim), F32)) * F32(scale)).astype(q_smem_.dtype)
@@ -373,14 +394,16 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout
-):
+    *refs, block_q, block_k, head_dim, groups, stages, scale, per_batch_plan, via_smem, registers, layout,
+    pingpong,
+):  # fmt: skip
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, plan_ref, dk_ref, dv_ref = refs[:9]
     k_smem, v_smem, vlo_smem, vhi_smem, q_smem, do_smem, lse_smem, delta_smem = refs[9:17]
     pt_smem, dst_smem = refs[17:19] if via_smem else (None, None)
-    res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[17 + 2 * via_smem :]
+    res_bars, q_bars, do_bars, lse_bars, delta_bars, free_bars = refs[17 + 2 * via_smem : 23 + 2 * via_smem]
     kv_head, batch, i = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("tile")
     wg, consumers = lax.axis_index("wg"), k_smem.shape[0]
+    turns = Turns(refs[-1] if pingpong else None, wg)
     bp = batch if per_batch_plan else 0
     tile, (lo, full_lo, full_hi, hi) = read_tile(plan_ref, layout, "k_", bp, i)
     n_tiles = hi - lo
@@ -416,7 +439,7 @@ def _dkv_kernel(
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
                 q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-                st, dpt = _matmuls(k_smem_, q_tile.T, v_smem_, do_tile.T, shape=shape)
+                st, dpt = _matmuls(k_smem_, q_tile.T, v_smem_, do_tile.T, shape=shape, issued=turns.give)
                 plgpu.barrier_wait(lse_bars.at[slot])
                 plgpu.barrier_wait(delta_bars.at[slot])
                 lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=wgmma_cols), shape, [1])
@@ -426,6 +449,8 @@ def _dkv_kernel(
                     qcol = qcols + j * block_q
                     pt = jnp.where((qcol >= vlo) & (qcol < vhi), pt, 0.0)
                 dst = pt * (dpt - delta)
+                turns.done()
+                turns.take()
                 plgpu.wgmma(dv_acc, _operand(pt, q_tile.dtype, pt_smem_), do_tile)
                 plgpu.wgmma(dk_acc, _operand(dst, q_tile.dtype, dst_smem_), q_tile)
                 plgpu.wgmma_wait(0)
@@ -435,7 +460,9 @@ def _dkv_kernel(
                 tile_plan.over_inner_tiles(lo, full_lo, full_hi, hi, functools.partial(step, g))
                 return carry
 
+            turns.start()
             lax.fori_loop(0, groups, head_loop, None)
+            turns.end()
             return dk_acc[...], dv_acc[...]
 
         acc = plgpu.ACC((block_k, head_dim), F32)
@@ -590,10 +617,11 @@ def backward(
     bars = lambda n: plgpu.Barrier(num_barriers=n)
 
     def launch(body, C, out_type, scratch, grid, operands):
+        pingpong = config.pingpong and C == 2  # a narrowed kernel (one consumer) takes no turns
         return plgpu.kernel(
-            functools.partial(body, **kw, registers=registers(C)),
+            functools.partial(body, **kw, registers=registers(C), pingpong=pingpong),
             out_type=out_type,
-            scratch_types=scratch,
+            scratch_types=[*scratch, *([plgpu.Barrier(num_arrivals=2)] if pingpong else [])],  # turns
             grid=grid,
             num_threads=C + 1,
             thread_name="wg",

@@ -93,6 +93,7 @@ from ..mesh_axes import varying, varying_like
 from . import config as config_lib
 from .config import Config
 from .packed_plan import PackedPlan, ranges_lengths, ranges_sections
+from .turns import Turns
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -237,10 +238,6 @@ def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
         bp = batch if per_batch else 0
         tile, (j_lo, j_flo, j_fhi, j_hi) = read_tile(plan_ref, layout, "", bp, lax.axis_index("tiles"))
 
-        def rendezvous():  # both consumers meet: ping-pong turns
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
-
         @pl.when(wg < C)
         def _consumer():
             plgpu.set_max_registers(232 if C == 2 else 240, action="increase")
@@ -270,8 +267,8 @@ def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((bq, H), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            if config.pingpong:
-                pl.when(wg == 1)(rendezvous)
+            turns = Turns(turn if config.pingpong else None, wg)
+            turns.start()
 
             def step(j, carry, *, masked: bool):
                 acc, m_i, l_i = carry
@@ -280,8 +277,7 @@ def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
 
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-                    if config.pingpong:
-                        rendezvous()
+                    turns.give()
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
@@ -300,11 +296,9 @@ def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
-                if config.pingpong:
-                    plgpu.barrier_arrive(turn)  # softmax done
+                turns.done()  # softmax done
                 plgpu.barrier_wait(v_bars.at[slot])
-                if config.pingpong:
-                    plgpu.barrier_wait(turn)  # the tensor cores are ours
+                turns.take()
                 if config.p_via_smem:
                     p_tile = p_smem.at[wg]
                     p_tile[...] = p16
@@ -325,8 +319,7 @@ def _call(q, k, v, plan, prev, *, layout: PackedPlan, scale, config):
                 return acc, m_new, l_i
 
             acc, m_i, l_i = tile_plan.over_inner_tiles(j_lo, j_flo, j_fhi, j_hi, step, (acc, m_i, l_i))
-            if config.pingpong:
-                pl.when(wg == 0)(rendezvous)
+            turns.end()
 
             seen_any = l_i > 0.0
             log_l = jnp.log(jnp.where(seen_any, l_i, 1.0))
