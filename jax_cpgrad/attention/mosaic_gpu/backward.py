@@ -248,10 +248,25 @@ def _operand(x, dtype, smem_ref):
     return smem_ref
 
 
-def _fill_and_drain(fill, steps, free_bars, stages):
-    """The producer's loop: ``fill(n)`` for every step, then wait for the slots' last releases,
-    so that every arrival on a "free" barrier is waited for once (nothing is left in flight when
-    the program ends; jax 0.11.2's interpreter checks it)."""
+def _produce(copies, steps, free_bars, stages):
+    """The producer warpgroup's loop: for each step n, the TMA copies ``copies(n, slot)``
+    (``(gmem ref, smem ref, barrier)`` triples) into ring slot n mod ``stages``, a slot once every
+    consumer let go of it; then a wait for the slots' last releases, so that every arrival on a
+    "free" barrier is waited for once (nothing is left in flight when the program ends; jax
+    0.11.2's interpreter checks it)."""
+
+    def fill(n, carry):
+        slot = lax.rem(n, jnp.int32(stages))
+        pending = copies(n, slot)
+
+        @pl.when(n >= stages)
+        def _():
+            plgpu.barrier_wait(free_bars.at[slot])
+
+        for src, dst, barrier in pending:
+            plgpu.copy_gmem_to_smem(src, dst, barrier)
+        return carry
+
     lax.fori_loop(0, steps, fill, None)
 
     def drain(n, carry):
@@ -374,23 +389,17 @@ def _dq_kernel(
         plgpu.copy_smem_to_gmem(q_smem_, dq_ref.at[batch, rows, head])
         plgpu.wait_smem_to_gmem(0)
 
+    def kv_tiles(n, slot):  # step n: the key tile lo + n
+        keys = pl.ds((lo + n) * block_k, block_k)
+        return [
+            (k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_bars.at[slot]),
+            (v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_bars.at[slot]),
+        ]
+
     @pl.when(wg == consumers)
     def _producer():
         plgpu.set_max_registers(registers[1], action="decrease")
-
-        def fill(n, carry):
-            slot = lax.rem(n, jnp.int32(stages))
-            keys = pl.ds((lo + n) * block_k, block_k)
-
-            @pl.when(n >= stages)
-            def _():
-                plgpu.barrier_wait(free_bars.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_bars.at[slot])
-            return carry
-
-        _fill_and_drain(fill, hi - lo, free_bars, stages)
+        _produce(kv_tiles, hi - lo, free_bars, stages)
 
 
 def _dkv_kernel(
@@ -475,27 +484,21 @@ def _dkv_kernel(
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
+    def q_tiles(n, slot):  # step n: query head g of the group, query tile lo + n - g * n_tiles
+        g = lax.div(n, n_tiles)
+        head = kv_head * groups + g
+        rows = pl.ds((lo + n - g * n_tiles) * block_q, block_q)
+        return [
+            (q_ref.at[batch, rows, head], q_smem.at[slot], q_bars.at[slot]),
+            (do_ref.at[batch, rows, head], do_smem.at[slot], do_bars.at[slot]),
+            (lse_ref.at[batch, head, rows], lse_smem.at[slot], lse_bars.at[slot]),
+            (delta_ref.at[batch, head, rows], delta_smem.at[slot], delta_bars.at[slot]),
+        ]
+
     @pl.when(wg == consumers)
     def _producer():
         plgpu.set_max_registers(registers[1], action="decrease")
-
-        def fill(n, carry):
-            slot = lax.rem(n, jnp.int32(stages))
-            g = lax.div(n, n_tiles)
-            head = kv_head * groups + g
-            rows = pl.ds((lo + n - g * n_tiles) * block_q, block_q)
-
-            @pl.when(n >= stages)
-            def _():
-                plgpu.barrier_wait(free_bars.at[slot])
-
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_bars.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_bars.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot], lse_bars.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot], delta_bars.at[slot])
-            return carry
-
-        _fill_and_drain(fill, groups * n_tiles, free_bars, stages)
+        _produce(q_tiles, groups * n_tiles, free_bars, stages)
 
 
 # -- the wrapper ---------------------------------------------------------------------------------
