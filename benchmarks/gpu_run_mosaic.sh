@@ -192,14 +192,14 @@ for s in "${stages[@]}"; do
       done
       ;;
     rank_timeline)  # a rank's kernels (experiments/rank_timeline.py): default, each change, default again
-      side=default
-      for changes in "" ${BWD_CHANGES:-narrow_small_grids=false} ""; do
-        if [ -n "$changes" ]; then name=rank_timeline_${changes%%=*}; else name=rank_timeline_$side; fi  # no "="
-        [ -z "$changes" ] && side=default_again
-        # shellcheck disable=SC2046,SC2086  # no --bwd-config at all for the default; lists are words
+      for side in default ${BWD_CHANGES:-narrow_small_grids=false} default_again; do
+        config=()  # the default sides: no --bwd-config at all
+        [[ $side == *=* ]] && config=(--bwd-config "$side")
+        name=rank_timeline_${side%%=*}  # no "=" in a file's name
+        # shellcheck disable=SC2046,SC2086  # the lists are words
         stage "$name" 200 python3 experiments/rank_timeline.py --seq 32k --n ${TIMELINE_N:-4 8} \
           --cases ${TIMELINE_CASES:-window512 window4096} --list 25 --json "$OUT/$name.json" \
-          $([ -n "$changes" ] && echo --bwd-config "$changes") $(args_of "$s")
+          "${config[@]}" $(args_of "$s")
       done
       ;;
     cp_step_window)  # 5 window layers (1024) to 1 global, the transports against none, R = 1

@@ -223,16 +223,15 @@ def _smem_transforms(dtype):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _matmuls(*operands, shape, issued=None):
+def _matmuls(*operands, shape, issued):
     """Products a @ b of the (a, b) pairs, each in a fresh float32 accumulator, issued together;
-    ``issued()``, if given, runs after the issue and before the wait for the products."""
+    ``issued()`` runs after the issue and before the wait for the products (``Turns.give``)."""
     pairs = list(zip(operands[::2], operands[1::2], strict=True))
 
     def body(*accs):
         for acc, (a, b) in zip(accs, pairs, strict=True):
             plgpu.wgmma(acc, a, b)
-        if issued is not None:
-            issued()
+        issued()
         return tuple(acc[...] for acc in accs)
 
     return pl.run_scoped(body, *[plgpu.ACC(shape, F32) for _ in pairs])
