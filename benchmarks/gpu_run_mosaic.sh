@@ -113,10 +113,14 @@ bench() {
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1
 } | tee -a "$log"
 
-installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))))' 2>/dev/null)
-if [ "$installed" = "$(pwd -P)" ]; then
+want_cuda=0
+[ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *_tests* || " ${stages[*]} " == *cp_step* ]] && want_cuda=1
+# The checkout installed already (a warm machine) is kept, unless it was built without CUDA and
+# this run needs CUDA.
+installed=$(cd /tmp && python3 -c 'import os, jax_cpgrad; print(os.path.dirname(os.path.dirname(os.path.realpath(jax_cpgrad.__file__))), int(jax_cpgrad.HAS_CUDA))' 2>/dev/null)
+if [ "$installed" = "$(pwd -P) 1" ] || { [ "$installed" = "$(pwd -P) 0" ] && ((!want_cuda)); }; then
   say "== jax_cpgrad is installed from this checkout: no build"
-elif [ "${MOSAIC_BUILD:-cpu}" = cuda ] || [[ " ${stages[*]} " == *_tests* || " ${stages[*]} " == *cp_step* ]]; then
+elif ((want_cuda)); then
   stage build 300 env JAX_CPGRAD_TEST_HOOKS=ON python3 -m pip install --no-build-isolation --no-deps -e .
 else
   stage build 300 env JAX_CPGRAD_CUDA=OFF python3 -m pip install --no-build-isolation --no-deps -e .

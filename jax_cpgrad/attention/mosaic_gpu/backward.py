@@ -74,14 +74,15 @@ dK/dV and dQ together (5 matmuls per tile pair instead of our 3 + 4), adding dQ 
 global buffer with atomics (a separate warp does the TMA reduce-add) and converting it in a
 post-kernel, with GQA dK/dV also summed by atomics unless run in its slower deterministic mode.
 It uses two consumer warpgroups (M = 128 rows per program), as we do, and overlaps the softmax of
-one with the wgmmas of the other by explicit turns, which ours do only with ``pingpong`` (off
-until a GPU has timed it). We pay about 40% more matmul
+one with the wgmmas of the other by explicit turns, which ours do only with ``pingpong`` (off:
+slower on an H100, below). We pay about 40% more matmul
 work for determinism, no float32 global dQ buffer and no atomics, and for a mask-aware tile range
 in each direction. Measured on an H200 (2026-12-03, ``benchmarks/results/README.md``, finding 11):
 1.09-1.12x cuDNN's default backward time at 16k-64k at head dim 128 (1.13-1.14x at head dim
 64): 7 matmuls per tile pair to its 5 in 1.1x the time. The rest of the way is dQ summed inside
-the dK/dV kernel in a fixed order, or ping-pong turns (``BackwardConfig.pingpong``, built and
-checked for the same bits in the interpreter, not yet timed).
+the dK/dV kernel in a fixed order. Ping-pong turns (``BackwardConfig.pingpong``) give the same bits
+but made every backward kernel of a rank 4-14% slower on an H100 (2026-12-07, finding 11): a
+backward step is mostly matmuls, which the turns serialize, with little softmax to hide.
 
 Shapes: q ``[B, T, N, H]``, k/v ``[B, L, K, H]``, lse ``[B, N, T]`` float32 natural log.
 """
@@ -136,8 +137,9 @@ class BackwardConfig:
     - ``pingpong``: the two consumers of a kernel take turns on the tensor cores, one computing
       P and dS while the other's matmuls run (``turns.py``, the forward's scheme). Without turns
       they wait for the same slot and so run in step, both in their exponentials at once. The
-      same bits either way; off by default until a GPU has timed it (``--bwd-config
-      pingpong=true`` in ``benchmarks/mosaic_attention.py`` and ``experiments/rank_timeline.py``).
+      same bits either way; off by default: slower on an H100 (a rank's four backward kernels
+      4-14%; ``--bwd-config pingpong=true`` in ``benchmarks/mosaic_attention.py`` and
+      ``experiments/rank_timeline.py`` compares).
     """
 
     block_q: int = 64
