@@ -6,7 +6,8 @@ kernels themselves (a short grid fills the GPU less well), the masks' small XLA 
 between launches? One H200; the rank's fwd + bwd (``rank_without_transfer``, as
 benchmarks/attention.py reads it; documents of 4096 with the whole sequence's ids), for each case:
 
-- the time per call, back to back (the benchmark's reading);
+- the time per call, back to back, and less the emulation's stand-in for the K/V gather (a copy
+  of its own, timed alone: the benchmark's reading);
 - from a profiler trace of a few calls: every kernel by name (time and launches per call), their
   summed time by kind (the Pallas kernels, cuDNN's, sorts, copies, XLA's other fusions), and the
   attention kernels of one call in launch order, ours each named from the compiled HLO
@@ -38,7 +39,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
-from attention import back_to_back, document_ids, fwd_bwd, human_tokens, inputs, parse_tokens, rank_attention  # noqa: E402
+from attention import (  # noqa: E402
+    back_to_back,
+    document_ids,
+    fwd_bwd,
+    gathers,
+    human_tokens,
+    inputs,
+    parse_tokens,
+    rank_attention,
+    stand_in_gather,
+)
 from mosaic_attention import config_changes  # noqa: E402
 from rank_thunks import CASES, attention_calls  # noqa: E402  (shared by both probes: this folder is on the path)
 
@@ -135,12 +146,18 @@ def main(argv=None) -> int:
                 jax.block_until_ready(f(*args))
                 first_call_s = time.perf_counter() - started
                 t = back_to_back(f, args, opts.reading_s)
+                # the emulation's stand-in for the K/V gather, a copy of its own in every call
+                # (two kernels in the lists below) that a real rank does not make
+                stand_in = 0.0
+                if gathers(n, window, local // 2):
+                    stand_in = back_to_back(stand_in_gather(n), data[1:3], opts.reading_s)
                 row = dict(
                     case=case,
                     implementation=impl,
                     n=n,
                     seq=opts.seq,
                     ms=t * 1e3,
+                    stand_in_ms=stand_in * 1e3,
                     bwd_config=changes,
                     first_call_s=first_call_s,
                 )
@@ -155,7 +172,8 @@ def main(argv=None) -> int:
                 kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row.get("by_kind_us", {}).items()))
                 print(
                     f"{case} {impl} {changes or ''} S={human_tokens(opts.seq)} R={n} rank {n - 1}: "
-                    f"{t * 1e3:.3f} ms a call (the first {first_call_s:.1f} s); "
+                    f"{t * 1e3:.3f} ms a call, {(t - stand_in) * 1e3:.3f} less the stand-in gather "
+                    f"(the first {first_call_s:.1f} s); "
                     f"{row.get('launches', 0):.0f} launches, busy {row.get('busy_us', 0):.0f} us; {kinds}",
                     flush=True,
                 )

@@ -41,10 +41,15 @@ class _Constant:
 class NoTransfer:
     """A rank of ``num_ranks`` alone: the gathered arrays are ``num_ranks`` copies of the local
     ones, and the returned gradients are their first S/R rows (the shape a rank gets back, not its
-    chunks). The whole gradients are materialized first, as a transport would read them (without
-    the barrier XLA would compute only the rows kept, and the timing would miss work a real rank
-    does). The gathered segment ids are ``gathered_ids`` (the whole sequence's, natural order, as
-    words) where given, else copies of the rank's own."""
+    chunks). Both sides are materialized behind a barrier, as a transport writes and reads them:
+    the gathered arrays are one copy of their own (``benchmarks/attention.py`` times it alone and
+    takes it off a rank's time), which XLA would otherwise fuse into whatever reads them (a copy
+    of the other ranks' chunks would then read the local arrays, and cost less than a real rank's,
+    which reads the transfer's buffer, while a call that reads the gathered arrays in place would
+    pay the whole stand-in); the whole gradients are computed (without the barrier XLA would
+    compute only the rows kept, and the timing would miss work a real rank does). The gathered
+    segment ids are ``gathered_ids`` (the whole sequence's, natural order, as words) where given,
+    else copies of the rank's own."""
 
     num_ranks: int
     gathered_ids: _Constant | None = None
@@ -52,7 +57,8 @@ class NoTransfer:
     moves_window_chunks: ClassVar[bool] = False
 
     def gather(self, xs, fn, *args):
-        return tuple(jnp.concatenate([x] * self.num_ranks, axis=1) for x in xs), fn(*args)
+        gathered = tuple(jnp.concatenate([x] * self.num_ranks, axis=1) for x in xs)
+        return jax.lax.optimization_barrier(gathered), fn(*args)
 
     def near(self, reach: int) -> NoTransfer:
         return self  # the same shapes, and the copies stand in for any rows
