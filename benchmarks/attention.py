@@ -24,6 +24,9 @@ the whole sequence's, as a real rank does). --documents also takes a mix of
 ``mixed`` (both, 5% long), drawn with seed 0, packed in the head-tail layout as they come, or
 with --balanced-order in ``jax_cpgrad.balanced_document_order``'s order for each N (whole documents
 reordered for even work; the R = 1 ideal keeps the drawn order: the same documents, the same work).
+--bounded tells the layer the longest document's length (``max_document_length``): the same
+attention, with the window it implies, so that a rank takes the halo (where the bound is under a
+chunk) or the chunks the window reaches instead of every rank's K/V.
 
 --rank-implementation {cudnn,xla,mosaic}: the rank's kernels (``implementation=`` of
 ``rank_without_transfer``). Default: --implementation for plain causal attention, else the
@@ -74,9 +77,10 @@ import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 from document_balance import MIXES, document_lengths  # noqa: E402
 
-from jax_cpgrad import balanced_document_order, permute_tokens  # noqa: E402
+from jax_cpgrad import balanced_document_order, longest_document, permute_tokens  # noqa: E402
 from jax_cpgrad.attention import rank_without_transfer  # noqa: E402
 from jax_cpgrad.attention.emulation import NoTransfer  # noqa: E402
+from jax_cpgrad.attention.masks import within_documents  # noqa: E402
 
 MASKED_TARGET = 1.10  # t_rank_r / (t_ideal x share_r), --ideal layer, a window or documents
 
@@ -191,12 +195,13 @@ def visible_share(
     return per_rank / per_chunk.sum()
 
 
-def rank_attention(q, k, v, rank, n: int, *, ids, window, implementation):
+def rank_attention(q, k, v, rank, n: int, *, ids, window, implementation, max_document_length=None):
     """``rank_without_transfer`` for rank ``rank`` of ``n``, the whole sequence's natural-order
     ``ids`` (numpy, or None) given as ``sequence_segment_ids``: the rank takes its own from them,
     and its gathered ids are the real ones (copies of its own would move the documents' edges)."""
     return rank_without_transfer(
-        q, k, v, rank, n, sequence_segment_ids=ids, local_window_size=window, implementation=implementation
+        q, k, v, rank, n, sequence_segment_ids=ids, local_window_size=window, implementation=implementation,
+        max_document_length=max_document_length,
     )  # fmt: skip
 
 
@@ -213,6 +218,8 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
     ids = document_ids(seq, opts.documents)
     attend = dict(ids=None if ids is None else np.asarray(ids), window=opts.window)
     attend["implementation"] = rank_implementation(opts)
+    if opts.bounded and ids is not None:
+        attend["max_document_length"] = longest_document(ids)
     if opts.ideal == "layer":  # the layer at one rank: the same kernels on the whole sequence
         unsharded = fwd_bwd(lambda q, k, v: rank_attention(q, k, v, 0, 1, **attend))
         programs: dict = {"unsharded": (unsharded, full)}
@@ -244,7 +251,7 @@ def measure(seq: int, kv_heads: int, ns: list[int], opts, say) -> list[dict]:
         step = fwd_bwd(lambda q, k, v, rank, n=n, mine=mine: rank_attention(q, k, v, rank, n, **mine))
         ranks = sorted({0, n // 2, n - 1})
         programs |= {(n, r): (step, (*data, jnp.int32(r))) for r in ranks}
-        if gathers(n, opts.window, chunk):
+        if gathers(n, chunk, opts.window, attend.get("max_document_length")):
             programs[(n, "stand-in")] = (stand_in_gather(n), data[1:3])
         layouts.append((n, chunk, ranks))
     times, readings = times_in_rounds(programs, opts)
@@ -279,10 +286,12 @@ def _label(key) -> str:
     return f"rank {key[1]}" if isinstance(key[1], int) else key[1]
 
 
-def gathers(n: int, window: int | None, chunk: int) -> bool:
+def gathers(n: int, chunk: int, window: int | None = None, max_document_length: int | None = None) -> bool:
     """Whether a rank of ``n`` gathers K/V (so its emulation stands in for the gather): not alone,
-    and not with a window shorter than a chunk (the halo's rows move instead)."""
-    return n > 1 and not (window is not None and window < chunk)
+    and not with a causal window (``window`` keys to the left, or the one a bound on the documents
+    implies) shorter than a chunk (the halo's rows move instead)."""
+    sides = within_documents(None if window is None else (window, 0), max_document_length, causal=True)
+    return n > 1 and not (sides is not None and sides[0] < chunk)
 
 
 def stand_in_gather(n: int):
@@ -480,6 +489,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="--documents reordered by jax_cpgrad.balanced_document_order for each N",
     )
+    p.add_argument(
+        "--bounded",
+        action="store_true",
+        help="--documents with max_document_length, their longest (the window it implies)",
+    )
     p.add_argument("--json")
     p.add_argument("--png")
     opts = p.parse_args(argv)
@@ -497,7 +511,7 @@ def main(argv=None) -> int:
     meta = dict(
         date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
         implementation=opts.implementation, window=opts.window, documents=opts.documents,
-        balanced_order=opts.balanced_order,
+        balanced_order=opts.balanced_order, bounded=opts.bounded,
         rank_implementation=rank_implementation(opts), ideal=opts.ideal,
         command=" ".join(sys.argv),
     )  # fmt: skip

@@ -42,6 +42,8 @@
 #   (PER_RANK_SEQ: another length, e.g. 128k, its files named _s128k; PER_RANK_LIMIT_S: each
 #   mask's limit, default 200 s);
 #   per_rank_balanced: the mixes again in jax_cpgrad.balanced_document_order's order (--balanced-order);
+#   per_rank_bounded: documents of 4096 with the layer told their length (--bounded: the window it
+#   implies, the halo from 8k-token chunks), then without, at S = 128k unless PER_RANK_SEQ;
 #   per_rank_window_kernels: the window of 512 (WINDOW=4096: of 4096, a chunk or more from R = 4)
 #   on cuDNN's plain calls, then on ours (one after the other in the same command; STAGE_ARGS
 #   "--seq 64k" for another length);
@@ -166,11 +168,15 @@ for s in "${stages[@]}"; do
       stage "$s" 560 env JAX_CPGRAD_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_attention.py -k "$select" $(args_of "$s")
       ;;
-    per_rank | per_rank_mixes | per_rank_balanced)  # a rank's work with masks, against its share
+    per_rank | per_rank_mixes | per_rank_balanced | per_rank_bounded)  # a rank's work with masks, against its share
       masks=("--window 512" "--window 4096" "--documents 4096")
-      [ "$s" != per_rank ] && masks=("--documents short" "--documents long" "--documents mixed")
-      [ "$s" = per_rank_balanced ] && masks=("${masks[@]/%/ --balanced-order}")
       seq=${PER_RANK_SEQ:-32k}
+      [ "$s" = per_rank_mixes ] || [ "$s" = per_rank_balanced ] && masks=("--documents short" "--documents long" "--documents mixed")
+      [ "$s" = per_rank_balanced ] && masks=("${masks[@]/%/ --balanced-order}")
+      if [ "$s" = per_rank_bounded ]; then
+        masks=("--documents 4096 --bounded" "--documents 4096")
+        seq=${PER_RANK_SEQ:-128k}
+      fi
       for mask in "${masks[@]}"; do
         name=per_rank_$(echo "$mask" | tr -d ' -')$([ "$seq" != 32k ] && echo "_s$seq")
         # shellcheck disable=SC2086  # $mask is two words
@@ -237,7 +243,7 @@ for s in "${stages[@]}"; do
           --ideal layer --rank-implementation mosaic --rounds 2 --json "$OUT/patch_per_rank_$side.json"
       done
       ;;
-    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, attention_tests, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window, patch_tests, patch_ab)" ;;
+    *) say "unknown stage $s (tests, bench, bench_rest, bench_det, attention_tests, layer_tests, halo_tests, cudnn_window_tests, per_rank, per_rank_mixes, per_rank_balanced, per_rank_bounded, per_rank_window_kernels, per_rank_plain_kernels, rank_timeline, cp_step_window, patch_tests, patch_ab)" ;;
   esac
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null

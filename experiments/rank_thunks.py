@@ -64,13 +64,24 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jax_cpgrad.attention import kernels, masks_checkpoint_policy  # noqa: E402
 
-# name -> (window, documents' length: the sequence cut in documents of that many tokens)
+# name -> (window, documents' length: the sequence cut in documents of that many tokens, whether
+# the layer is told that length: max_document_length, the window it implies)
 CASES = {
-    "causal": (None, None),
-    "window512": (512, None),
-    "window4096": (4096, None),
-    "documents4096": (None, 4096),
+    "causal": (None, None, False),
+    "window512": (512, None, False),
+    "window4096": (4096, None, False),
+    "documents4096": (None, 4096, False),
+    "documents4096bounded": (None, 4096, True),
 }
+
+
+def case_options(case: str, seq: int) -> dict:
+    """``rank_attention``'s mask options for ``case`` (``CASES``) at ``seq`` tokens."""
+    window, length, bounded = CASES[case]
+    ids = None if length is None else np.asarray(document_ids(seq, length))
+    return dict(ids=ids, window=window, max_document_length=length if bounded else None)
+
+
 # the device_description_str of the specs the plugin carries
 GPUS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
 
@@ -212,13 +223,10 @@ def main(argv=None) -> int:
             arg(1, local, 32, 128), arg(1, local, opts.kv_heads, 128), arg(1, local, opts.kv_heads, 128),
             arg(1, local, 32, 128), arg(dt=jnp.int32),
         )  # fmt: skip
-        window, document = CASES[case]
-        ids = None if document is None else np.asarray(document_ids(opts.seq, document))
+        options = case_options(case, opts.seq)
 
-        def attend(q, k, v, rank, n=n, window=window, ids=ids, layers=layers):
-            layer = lambda q, k, v, rank: rank_attention(
-                q, k, v, rank, n, ids=ids, window=window, implementation="mosaic"
-            )
+        def attend(q, k, v, rank, n=n, options=options, layers=layers):
+            layer = lambda q, k, v, rank: rank_attention(q, k, v, rank, n, implementation="mosaic", **options)
             policy = masks_checkpoint_policy() if opts.save_masks else None
             step = jax.checkpoint(layer, policy=policy) if opts.checkpoint else layer
             if opts.scan:  # the layers as one loop body, as models that scan over their layers

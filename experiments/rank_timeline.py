@@ -37,11 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import step_profile  # noqa: E402
 from attention import (  # noqa: E402
     back_to_back,
-    document_ids,
     fwd_bwd,
     gathers,
     human_tokens,
@@ -51,7 +49,7 @@ from attention import (  # noqa: E402
     stand_in_gather,
 )
 from mosaic_attention import config_changes  # noqa: E402
-from rank_thunks import CASES, attention_calls  # noqa: E402  (shared by both probes: this folder is on the path)
+from rank_thunks import CASES, attention_calls, case_options  # noqa: E402  (shared by both probes: this folder is on the path)
 
 # the module (the package re-exports its function under the same name)
 mosaic_backward = importlib.import_module("jax_cpgrad.attention.mosaic_gpu.backward")
@@ -134,11 +132,10 @@ def main(argv=None) -> int:
             for n in opts.n:
                 local = opts.seq // n
                 data = inputs(local, 32, opts.kv_heads, 128, seed=n)
-                window, document = CASES[case]
-                ids = None if document is None else np.asarray(document_ids(opts.seq, document))
+                options = case_options(case, opts.seq)
                 f = fwd_bwd(
-                    lambda q, k, v, rank, n=n, w=window, i=impl, ids=ids: rank_attention(
-                        q, k, v, rank, n, ids=ids, window=w, implementation=i
+                    lambda q, k, v, rank, n=n, i=impl, options=options: rank_attention(
+                        q, k, v, rank, n, implementation=i, **options
                     )
                 )
                 args = (*data, jnp.int32(n - 1))
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
                 # the emulation's stand-in for the K/V gather, a copy of its own in every call
                 # (two kernels in the lists below) that a real rank does not make
                 stand_in = 0.0
-                if gathers(n, window, local // 2):
+                if gathers(n, local // 2, options["window"], options["max_document_length"]):
                     stand_in = back_to_back(stand_in_gather(n), data[1:3], opts.reading_s)
                 row = dict(
                     case=case,

@@ -17,7 +17,7 @@ from .attention import (
     dot_product_attention,
     masks_checkpoint_policy,
 )
-from .document_layout import balanced_document_order, permute_tokens, unpermute_tokens
+from .document_layout import balanced_document_order, longest_document, permute_tokens, unpermute_tokens
 from .layout import from_cp_layout, layout_order, local_chunks, to_cp_layout
 from .workspace import Workspace, workspace_bytes
 
@@ -36,6 +36,7 @@ __all__ = [
     "grad_return_reference",
     "layout_order",
     "local_chunks",
+    "longest_document",
     "masks_checkpoint_policy",
     "permute_tokens",
     "to_cp_layout",

@@ -216,6 +216,15 @@ def balanced_document_order(
     return out
 
 
+def longest_document(segment_ids) -> int:
+    """The length in tokens of the longest document (contiguous run of equal ids, a padding run
+    included) of any row of the natural-order ``segment_ids [B, S]``: what
+    :func:`jax_cpgrad.dot_product_attention`'s ``max_document_length`` must not be below, checked
+    in the input pipeline (host-side: concrete ids, as :func:`balanced_document_order`)."""
+    ids = _host_ids(segment_ids, "longest_document")
+    return max(int(document_runs(row)[1].max()) for row in ids)
+
+
 def _check_order(x, order, seq_axis: int, where: str):
     if not hasattr(x, "shape") or not hasattr(x, "ndim"):
         raise ValueError(f"{where}: x is not an array: {type(x).__name__}")

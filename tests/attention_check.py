@@ -86,6 +86,7 @@ def cp_layer(
     head_groups=1,
     segment_ids=None,
     local_window_size=None,
+    max_document_length=None,
     transfer_when_alone=False,
 ):
     """The layer's output and gradients, as {name: {rank: local rows}} for the ranks this process
@@ -100,6 +101,7 @@ def cp_layer(
         scale=scale,
         head_groups=head_groups,
         local_window_size=local_window_size,
+        max_document_length=max_document_length,
         transfer_when_alone=transfer_when_alone,
     )
     if remat:

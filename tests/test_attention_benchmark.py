@@ -222,3 +222,18 @@ def test_cpu_smoke_run_against_the_layer_at_one_rank(tmp_path, balanced):
         assert row["t_stand_in_gather_ms"] == 0 and "stand-in" not in row["readings_ms"]
     assert abs(sum(bench.visible_share(512, 4, 40, 96)) - 1) < 1e-12
     assert sorted(rows[4]["share_by_rank"]) == ["0", "2", "3"]
+
+
+def test_cpu_smoke_run_with_the_documents_bound(tmp_path):
+    """--bounded: the layer told the longest document (24 tokens, under the 64-128-token chunks),
+    so a rank moves the halo of the window it implies and gathers nothing: no stand-in gather."""
+    js = tmp_path / "a.json"
+    args = ["--seq", "512", "--kv-heads", "2", "--heads", "4", "--head-dim", "16", "--n", "2", "4"]
+    timing = ["--min-chunk", "32", "--rounds", "1", "--reading-s", "0", "--warm-s", "0"]
+    masks = ["--documents", "24", "--bounded", "--ideal", "layer", "--rank-implementation", "xla"]
+    run_python(["benchmarks/attention.py", *args, *timing, *masks, "--json", str(js)])
+    data = json.loads(js.read_text())
+    assert data["meta"]["bounded"] is True and data["meta"]["documents"] == 24
+    for row in data["rows"]:
+        assert row["t_stand_in_gather_ms"] == 0 and "stand-in" not in row["readings_ms"]
+        assert row["t_rank_by_rank_ms"] == row["t_rank_measured_by_rank_ms"]

@@ -322,6 +322,72 @@ def test_documents_match_unsharded_attention(ranks, causal, heads, documents, wi
     _check(ranks, causal=causal, heads=heads, documents=documents, window=window, batch=2)
 
 
+# -- documents with a bound on their length: the window they imply ----------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks,causal,heads,documents,window,transport",
+    [
+        (4, True, "gqa", "short", None, "xla"),  # longest 8: a window of 7, the halo (11: wider)
+        (8, False, "mqa", "short", None, "xla"),  # longest 13: windows over a chunk
+        (2, True, "mha", "crossing", None, "xla"),  # longest 12
+        (4, False, "gqa", "crossing", None, "xla"),
+        (4, True, "gqa", "short", 2, "xla"),  # and a window of the caller's, narrower
+        (8, False, "gqa", "short", (1, 30), "xla"),  # narrower on one side, wider on the other
+        (4, True, "gqa", "short", None, "peer"),
+        (8, False, "mha", "crossing", None, "peer"),
+    ],
+    ids=str,
+)
+def test_a_bound_on_the_documents_changes_nothing_when_it_holds(
+    monkeypatch, ranks, causal, heads, documents, window, transport
+):
+    """``max_document_length`` at the longest document (and above it): the same attention as the
+    documents' dense mask without it, values and gradients, on both transports."""
+    ids = ac.documents(documents, 2 * ranks * CHUNK, 2, chunk=CHUNK, seed=ranks)
+    longest = cpg.longest_document(ids)
+    assert longest < 2 * ranks * CHUNK  # a real bound, not the whole sequence
+    peer = {}
+    if transport == "peer":
+        peer_calls_on_xla(monkeypatch)
+        peer = dict(workspace=workspace_spec(ranks))
+    for bound in (longest, longest + 3):
+        _check(ranks, causal=causal, heads=heads, window=window, documents=documents, batch=2,
+               max_document_length=bound, **peer)  # fmt: skip
+
+
+def test_a_bound_below_the_longest_document_is_a_window():
+    """A bound that does not hold is not detected: the layer attends as with the window it
+    implies (documents of 12 tokens under a bound of 5: a window of 4 on each side), which
+    differs from the documents alone."""
+    ranks, ids = 4, ac.documents("crossing", 8 * CHUNK, 2, chunk=CHUNK, seed=4)
+    inputs = ac.random_inputs(8 * CHUNK, batch=2, heads=4, kv_heads=2, seed=11)
+    got = ac.cp_layer(
+        cp_mesh(ranks), inputs, dtype=jnp.float32, causal=False, segment_ids=ids, max_document_length=5
+    )
+    as_window = ac.reference(*inputs, causal=False, segment_ids=ids, local_window_size=4)
+    assert max(ac.relative_errors(got, as_window).values()) <= F32_TOLERANCE
+    documents_alone = ac.reference(*inputs, causal=False, segment_ids=ids)
+    assert max(ac.relative_errors(got, documents_alone).values()) > 0.01
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_bound_under_a_chunk_moves_only_the_halo(causal):
+    """4 ranks of 8 tokens (4-token chunks), bounds of 2 and 4 tokens: K/V move as the halo of
+    the window the bound implies (collective-permutes of its rows), with no gather of them and no
+    reduce-scatter of their gradients; only the ids (one word a token) are gathered. Without the
+    bound K/V are gathered (the control)."""
+    gathers = lambda text: re.findall(r"all_gather.*?-> tensor<([\dx]+)xf32>", text)
+    permutes = lambda text: set(re.findall(r"collective_permute.*?-> tensor<([\dx]+)xf32>", text))
+    for bound in (2, 4):
+        text = _lowered(4, max_document_length=bound, is_causal=causal)
+        assert gathers(text) == ["1x32x1"] and "reduce_scatter" not in text
+        reach = bound - 1
+        assert permutes(text) == {f"1x{reach if causal else 2 * reach}x2x16"}
+    unbounded = _lowered(4, is_causal=causal)
+    assert gathers(unbounded) == ["1x32x1", "1x32x2x16", "1x32x2x16"] and "reduce_scatter" in unbounded
+
+
 @pytest.mark.parametrize("ranks,causal", [(1, True), (4, True), (8, False)], ids=str)
 def test_one_document_is_plain_attention(ranks, causal):
     _check(ranks, causal=causal, documents="one", reference_causal=causal)
@@ -535,6 +601,9 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
         ({"local_window_size": 2.5}, "local_window_size must be None, an int w"),
         ({"local_window_size": (4, None)}, "local_window_size: both sides must be ints >= 0"),
         ({"local_window_size": True}, "local_window_size must be None, an int w"),
+        ({"max_document_length": 0}, "max_document_length must be None or an int >= 1, got 0"),
+        ({"max_document_length": True}, "max_document_length must be None or an int >= 1, got True"),
+        ({"max_document_length": 4.0}, "max_document_length must be None or an int >= 1, got 4.0"),
         (
             {"implementation": "cudnn", "dtype": jnp.bfloat16},
             "implementation='cudnn' takes no documents (segment_ids), and a local window only with "
@@ -551,6 +620,12 @@ def _trace(*, ids_shape=(1, 16), ids_dtype=jnp.int32, dtype=jnp.float32, **kw):
 def test_bad_input_is_a_value_error(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _trace(**kw)
+
+
+def test_a_bound_without_documents_is_a_value_error():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="max_document_length bounds the documents of segment_ids"):
+        cpg.dot_product_attention(q, q, q, axis_name="cp", max_document_length=8)
 
 
 def test_segment_ids_that_are_not_an_array():

@@ -238,3 +238,16 @@ def test_permute_errors():
         dl.rank_work([4, 0, 4], 2)
     with pytest.raises(ValueError, match="multiple of 2R"):
         dl.rank_work([4, 3], 2)
+
+
+def test_longest_document_is_the_longest_run_of_any_row():
+    """Runs of equal ids (an id in two separate runs is two documents, a padding run one more),
+    the longest of every row, as dot_product_attention's max_document_length counts them."""
+    ids = np.array([[3, 3, 3, 7, 7, 3, 3, 0, 0, 0], [1, 1, 2, 2, 2, 2, 2, 9, 9, 9]], np.int32)
+    assert dl.longest_document(ids) == 5
+    assert dl.longest_document(ids[:1]) == 3  # 3 3 3, then 7 7, then 3 3: not a document of 5
+    assert dl.longest_document(jnp.zeros((2, 6), jnp.int16)) == 6
+    with pytest.raises(ValueError, match="longest_document: segment_ids must be \\[B, S\\]"):
+        dl.longest_document(ids[0])
+    with pytest.raises(ValueError, match="longest_document: segment_ids must be concrete"):
+        jax.jit(dl.longest_document)(ids)

@@ -110,6 +110,7 @@ def rank_without_transfer(
     local_window_size=None,
     implementation=None,
     head_groups: int = 1,
+    max_document_length: int | None = None,
 ):
     """The layer's computation for rank ``rank`` of ``num_ranks``, alone: real shapes, a local copy
     in place of every transfer (see the module). Options as :func:`dot_product_attention`'s.
@@ -130,6 +131,7 @@ def rank_without_transfer(
     options, words = layer.prepare(
         query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
         local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
+        max_document_length=max_document_length,
     )  # fmt: skip
     cfg = layer.schedule_config(options, num_ranks, stand_in, transfer_when_alone=False)
     return schedule.attention(cfg, query, key, value, rank, words)

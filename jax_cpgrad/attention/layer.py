@@ -16,7 +16,7 @@ import numpy as np
 from .. import api
 from . import kernels, schedule
 from .kernels.contract import PLAIN_WINDOWS
-from .masks import normalize_window
+from .masks import normalize_window, within_documents
 from .plan import RankPlan, id_words, plain_window
 from .transfer import OnMeshAxis
 
@@ -102,6 +102,24 @@ def _check_segment_ids(segment_ids, query):
     return id_words(segment_ids)
 
 
+def _check_document_bound(max_document_length, words) -> int | None:
+    """``max_document_length``, checked: None, or an int >= 1 given with segment ids."""
+    if max_document_length is None:
+        return None
+    if (
+        not isinstance(max_document_length, (int, np.integer))
+        or isinstance(max_document_length, bool)
+        or max_document_length < 1
+    ):
+        got = repr(max_document_length)
+        raise ValueError(f"{_NAME}: max_document_length must be None or an int >= 1, got {got}")
+    if words is None:
+        raise ValueError(
+            f"{_NAME}: max_document_length bounds the documents of segment_ids; pass segment_ids with it"
+        )
+    return int(max_document_length)
+
+
 def _choose_implementation(
     implementation, dtype, head_dim: int, masked: bool, plain_window: bool = False
 ) -> str:
@@ -145,6 +163,7 @@ def prepare(
     local_window_size,
     implementation,
     head_groups,
+    max_document_length=None,
 ) -> tuple[Options, jax.Array | None]:
     """Every check of the arrays and options (none needs the mesh axis: outside ``shard_map`` a
     bad argument is named before the unbound axis): (the options, the segment ids as int32 words
@@ -155,6 +174,8 @@ def prepare(
         raise ValueError(f"{_NAME}: is_causal must be a Python bool (static), got {shown}")
     words = _check_segment_ids(segment_ids, query)
     window = normalize_window(local_window_size, where=f"{_NAME}: local_window_size")
+    longest = _check_document_bound(max_document_length, words)
+    window = within_documents(window, longest, bool(is_causal))
     kv_heads = key.shape[2]
     if not isinstance(head_groups, (int, np.integer)) or isinstance(head_groups, bool) or head_groups < 1:
         raise ValueError(f"{_NAME}: head_groups must be a positive int, got {head_groups!r}")
@@ -219,6 +240,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
     head_groups: int = 1,
+    max_document_length: int | None = None,
 ):
     """Context-parallel scaled dot-product attention, exact, for one rank inside ``jax.shard_map``.
 
@@ -275,6 +297,14 @@ def dot_product_attention(
         on the local part. For transfers longer than the local part (many key/value heads,
         small chunks: ``experiments/attention_overlap_window.py``); it splits every remote
         kernel call G ways. 1 (the default): no pipeline. Ignored at R = 1 (no transfer).
+      max_document_length: with ``segment_ids``, a bound the caller guarantees on the documents:
+        none is longer than this many tokens (padding runs included). Then no query sees a key
+        further than ``max_document_length - 1`` positions away, and the layer attends with that
+        window added (on both sides, or the left with ``is_causal``), which is the same attention,
+        so that the transfer moves only what the window reaches: the halo rows where the bound
+        is at most a chunk (S/2R), not a gather of every rank's K/V. A longer document is not
+        detected here: its queries lose the keys beyond the bound (check the input pipeline with
+        ``jax_cpgrad.longest_document``). None: no bound, the gather of all K/V.
 
     At R = 1 the layer is one attention call and no transfer. With documents or a window each
     rank's queries meet its own keys (the local part, beside the transfer) and the other ranks'
@@ -288,13 +318,14 @@ def dot_product_attention(
         not None, an int >= 0 or a pair of them, a scale that is not a static number, an axis that
         is not bound (called outside ``shard_map``), a workspace that is closed, of another axis
         or too small, an unknown ``implementation``, ``implementation="cudnn"`` where cuDNN cannot
-        run these inputs (or with documents, or a window it cannot take), or ``head_groups`` that
-        does not divide the key/value heads.
+        run these inputs (or with documents, or a window it cannot take), ``head_groups`` that
+        does not divide the key/value heads, or a ``max_document_length`` that is not an int >= 1
+        or comes without ``segment_ids``.
     """
     return attention(
         query, key, value, axis_name=axis_name, workspace=workspace, scale=scale, is_causal=is_causal,
         segment_ids=segment_ids, local_window_size=local_window_size, implementation=implementation,
-        head_groups=head_groups, transfer_when_alone=False,
+        head_groups=head_groups, max_document_length=max_document_length, transfer_when_alone=False,
     )  # fmt: skip
 
 
@@ -312,6 +343,7 @@ def attention(
     local_window_size=None,
     implementation: str | None = None,
     head_groups: int = 1,
+    max_document_length: int | None = None,
 ):
     """:func:`dot_product_attention`, which is this with ``transfer_when_alone=False``. With True,
     at R = 1 plain causal attention takes the transfer's path anyway (two parts, K/V gathered from
@@ -320,6 +352,7 @@ def attention(
     options, words = prepare(
         query, key, value, scale=scale, is_causal=is_causal, segment_ids=segment_ids,
         local_window_size=local_window_size, implementation=implementation, head_groups=head_groups,
+        max_document_length=max_document_length,
     )  # fmt: skip
     num_ranks = api.axis_size(axis_name, "dot_product_attention")
     spec = api.spec_of(workspace, "dot_product_attention")

@@ -81,6 +81,21 @@ def normalize_window(local_window_size, where: str = "local_window_size") -> tup
     return int(sides[0]), int(sides[1])
 
 
+def within_documents(window, longest: int | None, causal: bool) -> tuple[int, int] | None:
+    """The window ``(left, right)`` (or None) narrowed to what documents of at most ``longest``
+    tokens let a query see anyway: no key more than ``longest - 1`` positions away on either side
+    (a causal query none after it). With documents that short the mask is the same, and the
+    narrower window lets the transfer move only what it reaches (a halo under a chunk). None:
+    no bound, the window as it is."""
+    if longest is None:
+        return window
+    reach = longest - 1
+    bound = (reach, 0 if causal else reach)
+    if window is None:
+        return bound
+    return min(window[0], bound[0]), min(window[1], bound[1])
+
+
 def run_ids(segment_ids):
     """int32 ``[B, S]``: 0 for the first run of equal ids in each row, +1 at every change, so each
     contiguous run of the natural order is one id and ids never decrease along a row."""
