@@ -274,26 +274,37 @@ def vmapped_layer(mesh, per_slice, *, causal: bool, workspace):
 
 def masks(mesh, n):
     """Documents across chunk and rank boundaries with a window (causal: 1.5 chunks to the left;
-    full: half a chunk left, a quarter right), bfloat16 through the masked kernels that
-    implementation=None picks, GQA, on a plain and an overlapped workspace (the segment ids
-    travel over it before K/V): output and q/k/v gradients within 5e-2 of the float32 unsharded
-    attention, and the same on both workspaces (the schedule does not change the arithmetic)."""
+    full: half a chunk left, a quarter right), and short documents given their bound
+    (``max_document_length``: the window it implies, under a chunk, so the halo travels), bfloat16
+    through the masked kernels that implementation=None picks, GQA, on a plain and an overlapped
+    workspace (the segment ids travel over it before K/V): output and q/k/v gradients within 5e-2
+    of the float32 unsharded attention (the bound's against the documents' mask alone), and the
+    same on both workspaces (the schedule does not change the arithmetic)."""
     checks, errors = {}, {}
-    for causal, window in ((True, (3 * CHUNK // 2, 0)), (False, (CHUNK // 2, CHUNK // 4))):
+    short = ac.documents("short", 2 * n * CHUNK, 1, chunk=CHUNK)
+    cases = (
+        ("causal", True, ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK), (3 * CHUNK // 2, 0), None),
+        (
+            "full",
+            False,
+            ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK),
+            (CHUNK // 2, CHUNK // 4),
+            None,
+        ),
+        ("bounded", True, short, None, cpg.longest_document(short)),
+    )
+    for name, causal, ids, window, bound in cases:
         inputs = _inputs(n, seed=60 + causal)
-        ids = ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK)
         mask = dict(causal=causal, segment_ids=ids, local_window_size=window)
         ref = ac.reference(*inputs, **mask)
         runs = {}
         for overlap in (False, True):
             with _workspace(mesh, overlap=overlap) as ws:
-                runs[overlap] = _cp_layer(mesh, inputs, workspace=ws, **mask)
-            tag = f"{'causal' if causal else 'full'}_{'overlap' if overlap else 'plain'}"
+                runs[overlap] = _cp_layer(mesh, inputs, workspace=ws, max_document_length=bound, **mask)
+            tag = f"{name}_{'overlap' if overlap else 'plain'}"
             errors[tag] = ac.relative_errors(runs[overlap], ref)
             checks[f"{tag}_within_tolerance"] = max(errors[tag].values()) <= BF16_TOLERANCE
-        checks[f"{'causal' if causal else 'full'}_overlap_{SAME}_as_plain"] = _same_results(
-            runs[False], runs[True]
-        )
+        checks[f"{name}_overlap_{SAME}_as_plain"] = _same_results(runs[False], runs[True])
     return _result(checks, errors=errors)
 
 
