@@ -371,6 +371,28 @@ def test_a_bound_below_the_longest_document_is_a_window():
     assert max(ac.relative_errors(got, documents_alone).values()) > 0.01
 
 
+def test_a_padding_run_longer_than_the_bound_changes_only_the_padding_rows():
+    """Short documents, then a padding run of 40 tokens (one id) under a bound of 9 that every
+    document keeps: the rows before the padding equal the documents' attention, and with a
+    cotangent of zero on the padding rows (a loss that ignores padding) so do all of q/k/v's
+    gradients; the padding rows' outputs do not (they see 8 keys of their run, not all)."""
+    ranks, seq, pad = 4, 8 * CHUNK, 40
+    ids = ac.documents("short", seq, 1, chunk=CHUNK, seed=3)
+    ids[:, seq - pad :] = ids[0, seq - pad - 1] + 1  # the padding: one run
+    assert cpg.longest_document(ids[:, : seq - pad]) <= 9 < cpg.longest_document(ids)
+    q, k, v, ct = ac.random_inputs(seq, batch=1, heads=4, kv_heads=2, seed=12)
+    inputs = (q, k, v, np.where(np.arange(seq)[None, :, None, None] < seq - pad, ct, 0))
+    got = ac.cp_layer(
+        cp_mesh(ranks), inputs, dtype=jnp.float32, causal=True, segment_ids=ids, max_document_length=9
+    )
+    ref = ac.reference(*inputs, causal=True, segment_ids=ids)
+    errors = ac.relative_errors(got, ref)
+    assert max(errors[name] for name in ("dq", "dk", "dv")) <= F32_TOLERANCE, errors
+    out = np.asarray(cpg.from_cp_layout(np.concatenate([got["out"][r] for r in range(ranks)], axis=1), ranks))
+    np.testing.assert_allclose(out[:, : seq - pad], ref["out"][:, : seq - pad], atol=F32_TOLERANCE)
+    assert np.max(np.abs(out[:, seq - pad :] - ref["out"][:, seq - pad :])) > 0.01
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_bound_under_a_chunk_moves_only_the_halo(causal):
     """4 ranks of 8 tokens (4-token chunks), bounds of 2 and 4 tokens: K/V move as the halo of

@@ -304,7 +304,9 @@ def dot_product_attention(
         so that the transfer moves only what the window reaches: the halo rows where the bound
         is at most a chunk (S/2R), not a gather of every rank's K/V. A longer document is not
         detected here: its queries lose the keys beyond the bound (check the input pipeline with
-        ``jax_cpgrad.longest_document``). None: no bound, the gather of all K/V.
+        ``jax_cpgrad.longest_document``; a longer padding run changes only the padding rows'
+        outputs: with a loss that ignores padding, no gradient changes). None: no bound, the
+        gather of all K/V.
 
     At R = 1 the layer is one attention call and no transfer. With documents or a window each
     rank's queries meet its own keys (the local part, beside the transfer) and the other ranks'
