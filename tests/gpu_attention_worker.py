@@ -281,16 +281,10 @@ def masks(mesh, n):
     of the float32 unsharded attention (the bound's against the documents' mask alone), and the
     same on both workspaces (the schedule does not change the arithmetic)."""
     checks, errors = {}, {}
-    short = ac.documents("short", 2 * n * CHUNK, 1, chunk=CHUNK)
-    cases = (
-        ("causal", True, ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK), (3 * CHUNK // 2, 0), None),
-        (
-            "full",
-            False,
-            ac.documents("crossing", 2 * n * CHUNK, 1, chunk=CHUNK),
-            (CHUNK // 2, CHUNK // 4),
-            None,
-        ),
+    crossing, short = (ac.documents(kind, 2 * n * CHUNK, 1, chunk=CHUNK) for kind in ("crossing", "short"))
+    cases = (  # (name, causal, ids, window, max_document_length)
+        ("causal", True, crossing, (3 * CHUNK // 2, 0), None),
+        ("full", False, crossing, (CHUNK // 2, CHUNK // 4), None),
         ("bounded", True, short, None, cpg.longest_document(short)),
     )
     for name, causal, ids, window, bound in cases:
