@@ -161,6 +161,51 @@ def test_halo_visibility_is_exact(ranks, causal, window):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize(
+    "kind, window",
+    [("short", None), ("crossing", None), ("one", None), ("one_token", None), ("repeated", None),
+     (None, (CHUNK, 0)), (None, (2 * CHUNK + 3, 0)), ("crossing", (CHUNK + 5, 0))],
+    ids=str,
+)  # fmt: skip
+def test_causal_masks_split_at_the_chunks_exactly(ranks, kind, window):
+    """Causal documents, or a causal window of a chunk or more (which gathers K/V): the local call
+    (own keys) and the remote one (the gathered keys, in place) together see exactly the mask
+    over the whole sequence, and no pair twice: the local call its own chunk's keys alone, the
+    remote one every key before the query's chunk; each call's row and column intervals describe
+    the same pairs."""
+    c, seq = CHUNK, 2 * ranks * CHUNK
+    ids = None if kind is None else ac.documents(kind, seq, 2, chunk=c, seed=ranks)
+    words = None if ids is None else plan.id_words(jnp.asarray(ids))
+    rank_plan = plan.RankPlan(num_ranks=ranks, causal=True, window=window, documents=ids is not None)
+    assert rank_plan.split_at_chunks and rank_plan.halo_window(c) is None
+    mask = masks.Mask(causal=True, window=window)
+    want_all = np.asarray(masks.visible(mask, np.arange(seq), np.arange(seq)))[0]
+    if ids is not None:
+        want_all = want_all & ac.document_mask(ids)  # [B, S, S]
+    for r in range(ranks):
+        calls = rank_plan.calls(jnp.zeros((2, 2 * c, 1, 1)), r, words)
+        (local,), (remote,) = calls.local, calls.remote
+        assert (local.keys, remote.keys, remote.rows) == ("own", "gathered", "all")
+        for call in (local, remote):
+            by_row = np.asarray(call.vis.dense())
+            lo, hi = (jnp.asarray(x) for x in (call.vis.col_lo, call.vis.col_hi))
+            by_column = np.asarray(masks.interval_mask(lo, hi, by_row.shape[1]))
+            np.testing.assert_array_equal(by_row, np.swapaxes(by_column, 1, 2))
+        q_pos = np.concatenate(
+            [np.arange(r * c, (r + 1) * c), np.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c)]
+        )
+        seen_locally = np.zeros((2, 2 * c, seq), bool)
+        seen_locally[:, :, q_pos] = np.asarray(local.vis.dense())
+        seen_remotely = np.broadcast_to(np.asarray(remote.vis.dense()), seen_locally.shape)
+        assert not (seen_locally & seen_remotely).any()
+        want = np.broadcast_to(want_all, (2, seq, seq))[:, q_pos]
+        np.testing.assert_array_equal(seen_locally | seen_remotely, want)
+        chunk_of = lambda p: p // c
+        same_chunk = chunk_of(q_pos)[:, None] == chunk_of(np.arange(seq))[None, :]
+        assert not (seen_remotely & same_chunk).any() and not (seen_locally & ~same_chunk).any()
+
+
 def _unfolded(blocks):
     """[2B, m, n] (b-major pairs of blocks) -> [B, 2m, 2n] with each pair on the diagonal."""
     two_b, m, n = blocks.shape

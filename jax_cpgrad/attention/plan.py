@@ -31,6 +31,15 @@ ids, ``masks.py``):
 - remote: all the rank's queries against the other ranks' 2R-2 chunks, in order (positions stay
   increasing). Left out where no query can see another rank's key: at R = 1, and for a window
   that keeps each query to its own position.
+- **causal** documents or windows where the rank gathers K/V: the gathered keys read where
+  they lie, not copied out. Each query chunk sees only the keys before its chunk start remotely
+  (one interval per row: the far chunk's queries take the rank's first chunk from the gathered
+  keys too), and its own chunk's keys locally (the diagonal blocks alone: ``gathered`` keys,
+  ``split_at_chunks``).
+  The copies of the others' K/V (forward and backward) and of their dK/dV back took as long as
+  the remote kernels themselves where documents are short against the chunks (results, finding
+  12); the rank's own first chunk's dK/dV from the remote call come back to it in the return,
+  which sums every rank's, its own included.
 - remote with a **halo** (a window whose sides in effect, left and right, 0 for causal, are both
   smaller than c): the **edge rows** alone (each chunk's first left and last right queries, the
   only ones the window lets see outside their chunk: ``edge_rows``) against the halo rows
@@ -103,8 +112,9 @@ I32 = jnp.int32
 # rows (its mask has fewer rows than the entries: the kernel reads them in place, no copy; the
 # results are compact, as ``edges``'s, for a causal window's halo call on masked kernels).
 Rows = Literal["all", "fold", "far", "edges", "edges_fold", "chunk_heads"]
-# Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones folded
-# into two halves; the gathered first half; the other ranks' chunks in order (a copy).
+# Which keys: the rank's own (as they are, or its two chunks folded); the gathered ones as they
+# are (causal documents or windows) or folded into two halves; the gathered first half; the other ranks'
+# chunks in order (a copy).
 # The rows a window's own transfer brought, as they arrived: the halo of a window within a chunk
 # (``halo.py``) or the chunks a wider window reaches (``window_chunks.py``); or the halo's two
 # slots before the chunks, folded and reversed (a plain window's halo call, ``_halo_keys``).
@@ -113,7 +123,16 @@ Rows = Literal["all", "fold", "far", "edges", "edges_fold", "chunk_heads"]
 # Or the halo's rows folded ([2B, left]: slots A and C, one per chunk; a causal window's halo
 # call on masked kernels, with ``chunk_heads`` rows).
 Keys = Literal[
-    "own", "own_fold", "gathered_fold", "first_half", "others", "moved", "moved_fold", "halo_fold", "before"
+    "own",
+    "own_fold",
+    "gathered",
+    "gathered_fold",
+    "first_half",
+    "others",
+    "moved",
+    "moved_fold",
+    "halo_fold",
+    "before",
 ]
 
 
@@ -310,9 +329,39 @@ class RankPlan:
             k_pos, valid = moved
             call = self._moved_call(runs, q_pos, own_runs, k_pos, valid, self._edges(c))
             return Calls(local, (self._in_place(call, c, batch),))
+        if self.split_at_chunks:
+            return self._split_at_chunks(c, rank, q_pos, runs, own_runs)
         k_pos = (self._other_chunks(rank)[:, None] * c + jnp.arange(c, dtype=I32)).reshape(-1)
         k_runs = None if runs is None else self._others(runs, rank)
         return Calls(local, (Call("all", "others", vis=visibility(mask, q_pos, k_pos, own_runs, k_runs)),))
+
+    @property
+    def split_at_chunks(self) -> bool:
+        """Causal documents or windows whose rank gathers K/V read them in place: the local part
+        each chunk's own keys, the remote part the keys before each query's chunk (the module's
+        masked calls)."""
+        return self.causal and (self.documents or self.window is not None)
+
+    def _split_at_chunks(self, c: int, rank, q_pos, runs, own_runs) -> Calls:
+        """Causal calls split at the chunks: the rank's queries against their own chunk's keys
+        (local: runs made distinct per chunk, so the far chunk's queries do not see the first
+        chunk's keys), and against the gathered keys before their chunk's start (remote: the
+        mask's intervals over the whole sequence, cut there)."""
+        mask, s = self.mask, 2 * self.num_ranks * c
+        chunk = jnp.arange(2 * c, dtype=I32) // c  # 0: the first chunk's rows, 1: the far one's
+        base = jnp.zeros((1, 2 * c), I32) if own_runs is None else own_runs
+        local_runs = base + chunk * (s + 1)  # runs are < s: non-decreasing, never equal across chunks
+        local = Call("all", "own", vis=visibility(mask, q_pos, q_pos, local_runs, local_runs))
+        k_pos = jnp.arange(s, dtype=I32)
+        vis = visibility(mask, q_pos, k_pos, own_runs, runs)
+        starts = self._span_starts(c, rank)
+        # a row sees the keys before its chunk; the first chunk's keys only the far chunk's rows
+        # see, and the far chunk's keys no row (causal: none of those after it either)
+        row_hi = jnp.maximum(jnp.minimum(vis.row_hi, starts[chunk]), vis.row_lo)
+        col_lo = jnp.where(k_pos >= starts[0], jnp.maximum(vis.col_lo, c), vis.col_lo)
+        col_hi = jnp.where(k_pos >= starts[1], col_lo, jnp.maximum(vis.col_hi, col_lo))
+        vis = dataclasses.replace(vis, row_hi=row_hi, col_lo=col_lo, col_hi=col_hi)
+        return Calls((local,), (Call("all", "gathered", vis=vis),))
 
     def _moved_positions(self, c: int, rank):
         """(positions, valid) of the rows a window's own transfer brings (the halo's or the
@@ -435,7 +484,7 @@ class RankPlan:
     def take_keys(self, call: Call, own, gathered, rank):
         """The call's keys (or values) from the rank's own ``[B, 2c, ...]`` or the gathered
         ``[B, S, ...]`` ones (for ``moved``: the rows the window's transfer brought)."""
-        if call.keys in ("own", "moved"):
+        if call.keys in ("own", "moved", "gathered"):
             return own if call.keys == "own" else gathered
         if call.keys == "moved_fold":
             return fold(gathered)
