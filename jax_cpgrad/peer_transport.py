@@ -60,6 +60,14 @@ def _op_call(
     return _ffi_call(*target, xs, results, num_ranks, seq_axis, spec)
 
 
+def operands(xs: tuple) -> tuple:
+    """A call's arrays as its custom calls take them: behind a barrier, so that none is a slice
+    to XLA. XLA's GPU compiler may wrap a custom call whose operand is a slice in a fusion that
+    reads the slice in place, and jax 0.11.2's keeps the original call too when it has side
+    effects, as ours all do: the call would run twice, a start without its done."""
+    return tuple(jax.lax.optimization_barrier(tuple(xs)))
+
+
 def start(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec) -> tuple:
     """The start of an overlapped call: its results, not to be read before :func:`done`."""
     return _op_call(spec.start_target(op), op, xs, seq_axis, num_ranks, spec)
@@ -101,6 +109,7 @@ def beside(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpe
     outputs that nothing uses, and with them the order. ``extra`` passes through (e.g. a VJP
     function).
     """
+    xs = operands(xs)  # the start and the done take the same buffers
     pending = start(op, xs, seq_axis, num_ranks, spec)
     pending, inputs = tie(pending, inputs)  # the work cannot begin before the start
     value, extra = work(inputs)
@@ -111,7 +120,7 @@ def beside(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpe
 def _call(op: str, xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec):
     if spec.overlap:  # a pair with nothing between: the call stays on the workspace's stream
         return beside(op, xs, seq_axis, num_ranks, spec, lambda _: ((), None), ())[0]
-    return _op_call(spec.target(op), op, xs, seq_axis, num_ranks, spec)
+    return _op_call(spec.target(op), op, operands(xs), seq_axis, num_ranks, spec)
 
 
 def grad_return_peer(xs: tuple, seq_axis: int, num_ranks: int, spec: WorkspaceSpec):

@@ -2,7 +2,9 @@
 overlapped jax_cpgrad call and its done, and whether anything reads a start's results before its
 done. Each computation's instruction order is its schedule; work hidden in called computations
 (fusions, command buffers) counts where it is called. A done belongs to the start whose results
-reach it (through get-tuple-element, tuple, bitcast and barrier, which only forward buffers)."""
+reach it (through get-tuple-element, tuple, bitcast and barrier, which only forward buffers).
+XLA may wrap a call whose operands are slices in a fusion of its own (``dynamic-slice-fusion``:
+the call reads the slices where they lie); such a fusion is read as the call it wraps."""
 
 from __future__ import annotations
 
@@ -68,8 +70,61 @@ def _parse(line: str) -> Instr | None:
             raise ValueError(f"unbalanced operand list: {line.strip()[:200]}")
         depth += {"(": 1, ")": -1}.get(text[j], 0)
         j += 1
-    operands = re.findall(r"%([\w.\-]+)", text[start : j - 1])
+    # "%t#2": element 2 of tuple-valued %t, as XLA prints an operand that is one
+    operands = re.findall(r"%([\w.\-]+(?:#\d+)?)", text[start : j - 1])
     return Instr(head.group(1), m.group(1), operands, text[j:].split(", metadata=")[0])
+
+
+# What a wrapped call's operand may be computed from inside its fusion: views of one parameter.
+_VIEWS = {"slice", "dynamic-slice", "bitcast", "reshape"}
+
+
+def _fused(ins: Instr | None) -> str | None:
+    """The computation a fusion instruction calls; None for any other instruction."""
+    m = _CALLED.search(ins.rest) if ins is not None and ins.opcode == "fusion" else None
+    return m.group(1).lstrip("%") if m else None
+
+
+def _wrapped_calls(bodies: dict[str, list[str]]) -> dict[str, tuple[str, list[int | None]]]:
+    """{fusion computation: (target, for each of the call's operands the fusion operand it is a
+    view of, None if it is computed otherwise)} for every fusion whose root is a jax_cpgrad
+    custom call."""
+    fusions = {_fused(_parse(ln)) for lines in bodies.values() for ln in lines} - {None}
+    found = {}
+    for name in fusions & bodies.keys():
+        lines = bodies[name]
+        instrs = {i.name: i for i in map(_parse, lines) if i is not None}
+        root = next((_parse(ln) for ln in lines if ln.lstrip().startswith("ROOT ")), None)
+        if root is None or not (root.target or "").startswith("jax_cpgrad_"):
+            continue
+        params = {}
+        for ln in lines:
+            m = re.match(r"\s*%([\w.\-]+) = .* parameter\((\d+)\)", ln)
+            if m:
+                params[m.group(1)] = int(m.group(2))
+        found[name] = (root.target, [_view_of(o, instrs, params) for o in root.operands])
+    return found
+
+
+def _view_of(value: str, instrs: dict[str, Instr], params: dict[str, int]) -> int | None:
+    """The parameter (its index) that ``value`` is a view of inside a fusion; None if none."""
+    while value not in params:
+        ins = instrs.get(value.split("#")[0])
+        if ins is None or ins.opcode not in _VIEWS or not ins.operands:
+            return None
+        value = ins.operands[0]
+    return params[value]
+
+
+def _unwrapped(ins: Instr, wrapped: dict[str, tuple[str, list[int | None]]]) -> Instr:
+    """``ins`` itself, or for a fusion that wraps a jax_cpgrad call, that call with the fusion's
+    operands (an operand computed inside the fusion from several is left out)."""
+    callee = _fused(ins)
+    if callee not in wrapped:
+        return ins
+    target, sources = wrapped[callee]
+    operands = [ins.operands[i] for i in sources if i is not None]
+    return Instr(ins.name, "custom-call", operands, f'custom_call_target="{target}"')
 
 
 def _does_matmul(ins: Instr, bodies: dict[str, list[str]], seen: set[str]) -> bool:
@@ -85,6 +140,14 @@ def _does_matmul(ins: Instr, bodies: dict[str, list[str]], seen: set[str]) -> bo
     return False
 
 
+def _held(operand: str, carries: dict[str, set[str]], elements: dict[str, list[set[str]]]) -> set[str]:
+    """The starts whose results an operand holds (``%t#i``: only those of the tuple's element i)."""
+    name, _, index = operand.partition("#")
+    if index and name in elements:
+        return elements[name][int(index)]
+    return carries.get(name, set())
+
+
 @dataclasses.dataclass
 class Pair:
     target: str
@@ -97,11 +160,12 @@ class Pair:
 def pairs(hlo_text: str) -> list[Pair]:
     """Every overlapped call's start in the module, schedule order within each computation."""
     bodies = computations(hlo_text)
+    wrapped = _wrapped_calls(bodies)
     found = []
     for name, lines in bodies.items():
-        if name == "ENTRY":
-            continue  # also listed under its own name
-        instrs = [i for i in map(_parse, lines) if i is not None]
+        if name == "ENTRY" or name in wrapped:
+            continue  # the entry is also listed under its own name; a wrapper is read where called
+        instrs = [_unwrapped(i, wrapped) for i in map(_parse, lines) if i is not None]
         starts = {
             i.name: Pair(i.target, pos)
             for pos, i in enumerate(instrs)
@@ -112,7 +176,7 @@ def pairs(hlo_text: str) -> list[Pair]:
         carries: dict[str, set[str]] = {s: {s} for s in starts}  # value -> starts whose results it holds
         elements: dict[str, list[set[str]]] = {}  # tuple value -> the same, per element
         for pos, ins in enumerate(instrs):
-            of = [carries.get(o, set()) for o in ins.operands]
+            of = [_held(o, carries, elements) for o in ins.operands]
             held = set().union(*of)
             if ins.name in starts:  # a start reading another start's results is a reader too
                 for s in held:

@@ -271,7 +271,8 @@ def test_peer_bodies_trace_to_one_custom_call_per_call(op_name):
     target = f"@jax_cpgrad_{op_name}("
     chain = bench.latency_fn(body, calls)
     text = bench.jitted(mesh, chain).trace(pair).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(target) == calls and text.count("stablehlo.optimization_barrier") == calls - 1
+    # the chain's barriers between calls, and each call's own on its operands (no slices)
+    assert text.count(target) == calls and text.count("stablehlo.optimization_barrier") == 2 * calls - 1
     loop = bench.bandwidth_fn(body, 4)
     text = bench.jitted(mesh, loop).trace(pair).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(target) == 1 and "stablehlo.while" in text

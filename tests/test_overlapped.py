@@ -101,9 +101,10 @@ def test_without_overlap_it_is_the_plain_pair_of_calls(ws):
         text = (
             spmd_jit(mesh, _gather_step(ws, True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         )
-        assert (
-            "@jax_cpgrad_all_gather(" in text and "_start" not in text and "optimization_barrier" not in text
-        )
+        # no start, no done, and no tie: the only barriers are the calls' own operands'
+        calls = text.count("stablehlo.custom_call @jax_cpgrad_")
+        assert "@jax_cpgrad_all_gather(" in text and "_start" not in text
+        assert text.count("stablehlo.optimization_barrier") == calls
 
 
 def test_gather_values_and_gradients_equal_the_plain_ones(stand_in_peer_transport):
@@ -148,7 +149,8 @@ def test_work_with_integer_inputs_differentiates(stand_in_peer_transport):
 
 
 def test_the_work_is_tied_between_start_and_done_forward_and_backward():
-    """Lowered for CUDA: each start's results go through a barrier with the work's inputs, the
+    """Lowered for CUDA: each start takes its arrays from a barrier of their own (never a slice:
+    test_lowering.py says why); its results go through a barrier with the work's inputs, the
     work reads the barrier's copies, its result goes through a second barrier with the start's
     results, the done takes those (and the start's inputs) and returns a token, and the results
     reach the rest of the program only through a third barrier with that token."""
@@ -172,10 +174,10 @@ def test_the_work_is_tied_between_start_and_done_forward_and_backward():
             assert "has_side_effect = true" in ln and "output_operand_aliases" not in ln
             assert re.search(r"-> tensor<1xi32>$", ln), ln  # a token, not the results
     # forward: the projection's matmul between start and done; backward: the same, its VJP.
-    pair = lambda *work: ["start", "tie", *work, "tie", "done", "tie"]
+    pair = lambda *work: ["tie", "start", "tie", *work, "tie", "done", "tie"]
     assert kinds == pair("dot") + pair("dot", "dot"), kinds
     ties = [ln for ln in lines if "optimization_barrier" in ln]
-    for value_tie, release in zip(ties[1::3], ties[2::3], strict=True):
+    for value_tie, release in zip(ties[2::4], ties[3::4], strict=True):
         # XLA drops a barrier's unused outputs, and the order with them: the work's results and
         # the released call results are what the rest of the program reads.
         n_value, n_release = (int(re.match(r"%\w+:(\d+) = ", t).group(1)) for t in (value_tie, release))
@@ -249,6 +251,58 @@ def test_schedule_reading_finds_readers_of_a_start_s_results_before_its_done(ear
         "jax_cpgrad_all_gather_device_start",
         1,
         True,
+    )
+    assert pair.early_readers == (["e"] if early else [])
+
+
+@pytest.mark.parametrize("element,early", [(1, False), (0, True)])
+def test_schedule_reading_follows_a_tuple_s_elements_named_with_a_hash(element, early):
+    """XLA prints an operand that is one element of a tuple as ``%t#i``: reading element 1 (not
+    the start's results) before the done is no early read; reading element 0 is."""
+    text = DATAFLOW.replace(
+        "EARLY", f"%b = (f32[4,4], f32[4,4]) opt-barrier(%t)\n  %e = f32[4,4] negate(%b#{element})"
+    )
+    (pair,) = hlo_schedule.pairs(text)
+    assert pair.done is not None and pair.early_readers == (["e"] if early else [])
+
+
+WRAPPED = """\
+%dynamic-slice-fusion (p0: f32[8,4]) -> (f32[4,4]) {
+  %p0 = f32[8,4] parameter(0)
+  %slice.1 = f32[4,4] slice(%p0), slice={[4:8], [0:4]}
+  ROOT %s = (f32[4,4]) custom-call(%slice.1), custom_call_target="jax_cpgrad_all_gather_start"
+}
+
+%dynamic-slice-fusion.1 (p0.1: f32[8,4], p1: f32[4,4]) -> s32[1] {
+  %p1 = f32[4,4] parameter(1)
+  %p0.1 = f32[8,4] parameter(0)
+  %slice.2 = f32[4,4] slice(%p0.1), slice={[4:8], [0:4]}
+  ROOT %d = s32[1] custom-call(%p1, %slice.2), custom_call_target="jax_cpgrad_done"
+}
+
+ENTRY %main (x: f32[8,4], w: f32[4,4]) -> f32[4,4] {
+  %start = (f32[4,4]) fusion(%x), kind=kCustom, calls=%dynamic-slice-fusion
+  %r = f32[4,4] get-tuple-element(%start), index=0
+  %m = f32[4,4] dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  EARLY
+  %done = s32[1] fusion(%x, %r), kind=kCustom, calls=%dynamic-slice-fusion.1
+  ROOT %late = f32[4,4] add(%r, %m)
+}
+"""
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_schedule_reading_sees_calls_wrapped_in_their_own_fusions(early):
+    """XLA wraps a call whose operands are slices in a fusion of its own (the call reads the
+    slices in place): each wrapper is read as its call where it is scheduled, the done's first
+    operand traced to the start's result, and the wrapper's own body is not a second start."""
+    text = WRAPPED.replace("EARLY", "%e = f32[4,4] negate(%r)" if early else "")
+    (pair,) = hlo_schedule.pairs(text)
+    assert (pair.target, pair.start, pair.done, pair.matmuls_between) == (
+        "jax_cpgrad_all_gather_start",
+        0,
+        3 + early,
+        1,
     )
     assert pair.early_readers == (["e"] if early else [])
 
