@@ -70,7 +70,7 @@ def _parse(line: str) -> Instr | None:
             raise ValueError(f"unbalanced operand list: {line.strip()[:200]}")
         depth += {"(": 1, ")": -1}.get(text[j], 0)
         j += 1
-    # "%t#2": element 2 of tuple-valued %t, as XLA prints an operand that is one
+    # an operand may be one element of a tuple: "%t#2" is element 2 of %t
     operands = re.findall(r"%([\w.\-]+(?:#\d+)?)", text[start : j - 1])
     return Instr(head.group(1), m.group(1), operands, text[j:].split(", metadata=")[0])
 
